@@ -1,0 +1,228 @@
+"""Collation of rollout trajectories into padded training tensors.
+
+Layout (one row per trajectory; P = longest prompt, T = longest response, L = P + T)::
+
+    column        0 ........ P-1 | P ............. P+T-1
+    input_ids     [pad][prompt ]  | [response ][pad]
+    attention     [ 0 ][  1    ]  | [   1     ][ 0 ]
+
+Prompts are left-padded and responses right-padded, so every row's response starts at the
+same column P. Position ids count only real tokens (``cumsum(attention_mask) - 1``), so a
+left-padded row sees the same positions as the unpadded sequence.
+
+Per-token training tensors are [B, T] and indexed by *response token*: column t is
+response token t. In a causal LM the logits at sequence column ``P + t - 1`` predict the
+token at column ``P + t``, so the [B, T] predictions are the logits of columns
+``P-1 .. P+T-2`` (see :func:`learner.modeling.response_logits`). ``loss_mask``,
+``turn_ids`` and ``behavior_logprobs`` are copied unshifted from the
+:class:`actors.trajectory.Trajectory` (which aligns them with ``response_ids``), so position
+t of every [B, T] tensor refers to the same token.
+
+Padding values: ``loss_mask`` 0, ``turn_ids`` -1, ``behavior_logprobs`` 0.0,
+``response_ids`` ``pad_token_id`` (never trained: masked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from actors.trajectory import Trajectory
+
+_SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
+"""[B, L] fields (prompt + response columns)."""
+
+
+@dataclass
+class TrainingBatch:
+    """Padded tensors for a list of trajectories (layout in the module docstring).
+
+    Attributes:
+        input_ids: int64 [B, L]. Prompt (left-padded) then response (right-padded).
+        attention_mask: int64 [B, L]. 1 on real tokens.
+        position_ids: int64 [B, L]. Position of each real token in its own sequence.
+        response_ids: int64 [B, T]. ``input_ids[:, P:]``.
+        response_mask: float32 [B, T]. 1 on real response tokens (policy and environment).
+        loss_mask: float32 [B, T]. 1 on policy-generated tokens (the trained ones).
+        turn_ids: int64 [B, T]. Turn index on policy tokens, -1 elsewhere (environment, pad).
+        behavior_logprobs: float32 [B, T]. Behaviour-policy log-probs, 0 off the mask.
+        last_policy_index: int64 [B]. Column of each row's last policy token (where the
+            outcome reward is placed).
+        prompt_lengths: int64 [B]. Real prompt tokens per row.
+        response_lengths: int64 [B]. Real response tokens per row.
+        rewards: float32 [B]. Outcome reward per trajectory.
+        success: float32 [B]. 1.0 where the answer was correct.
+        num_turns: float32 [B]. Policy turns per trajectory.
+        group_ids: int64 [B]. GRPO group index (first-seen order of ``Trajectory.group_id``).
+        policy_version_min: int64 [B]. Oldest weight version behind each trajectory.
+        old_logprobs, ref_logprobs, old_values, advantages, returns: float32 [B, T] or
+            None; filled by the learner before the optimisation epochs.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    loss_mask: Tensor
+    turn_ids: Tensor
+    behavior_logprobs: Tensor
+    last_policy_index: Tensor
+    prompt_lengths: Tensor
+    response_lengths: Tensor
+    rewards: Tensor
+    success: Tensor
+    num_turns: Tensor
+    group_ids: Tensor
+    policy_version_min: Tensor
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    old_values: Tensor | None = None
+    advantages: Tensor | None = None
+    returns: Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """B, the number of trajectories."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def prompt_width(self) -> int:
+        """P, the column where every response starts."""
+        return int(self.input_ids.shape[1] - self.response_ids.shape[1])
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """Sum of ``loss_mask`` (tokens the policy loss trains on)."""
+        return int(self.loss_mask.sum().item())
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-pad) tokens, prompt and response, i.e. what a forward pass processes."""
+        return int(self.attention_mask.sum().item())
+
+    def to(self, device: torch.device | str) -> TrainingBatch:
+        """The same batch with every tensor on ``device`` (no copy when already there)."""
+        changes = {
+            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+        }
+        return TrainingBatch(**changes)
+
+    def select(self, indices: Sequence[int] | Tensor) -> TrainingBatch:
+        """Rows ``indices`` as a new batch, with padding columns no row needs trimmed away.
+
+        Trimming keeps the layout invariant (responses start at the new P), so micro-batches
+        of short trajectories do not pay for the longest one in the full batch.
+
+        Raises:
+            ValueError: if ``indices`` is empty.
+        """
+        index = torch.as_tensor(indices, dtype=torch.long)
+        if index.numel() == 0:
+            raise ValueError("select() needs at least one row index")
+        old_prompt_width = self.prompt_width
+        new_prompt_width = int(self.prompt_lengths[index].max().item())
+        new_response_width = int(self.response_lengths[index].max().item())
+        start = old_prompt_width - new_prompt_width
+        stop = old_prompt_width + new_response_width
+        num_response_columns = self.response_ids.shape[1]
+        changes: dict[str, Tensor | None] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                changes[f.name] = None
+                continue
+            rows = value[index]
+            if f.name in _SEQUENCE_FIELDS:
+                rows = rows[:, start:stop]
+            elif rows.dim() == 2 and value.shape[1] == num_response_columns:
+                rows = rows[:, :new_response_width]
+            changes[f.name] = rows.contiguous()
+        return TrainingBatch(**changes)
+
+
+def _group_indices(group_ids: Sequence[str]) -> list[int]:
+    """Map string group ids to 0, 1, ... in order of first appearance."""
+    mapping: dict[str, int] = {}
+    return [mapping.setdefault(g, len(mapping)) for g in group_ids]
+
+
+def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainingBatch:
+    """Stack trajectories into a :class:`TrainingBatch` (layout in the module docstring).
+
+    Args:
+        trajectories: at least one; each must pass :meth:`Trajectory.validate` and have at
+            least one policy token.
+        pad_token_id: id written into padding columns (never attended to or trained on).
+
+    Returns:
+        The padded batch, tensors on CPU.
+
+    Raises:
+        ValueError: empty input, a trajectory that fails validation, or one with no policy
+            token (nothing to train on: filter those out first).
+
+    Example: prompts [5, 6] and [7]; responses [8, 9, 10] (mask 1 1 0) and [11] (mask 1)
+    give P = 2, T = 3 and ``input_ids = [[5, 6, 8, 9, 10], [pad, 7, 11, pad, pad]]``.
+    """
+    if not trajectories:
+        raise ValueError("collate_trajectories needs at least one trajectory")
+    for i, traj in enumerate(trajectories):
+        try:
+            traj.validate()
+        except ValueError as err:
+            raise ValueError(f"trajectory {i} ({traj.question_id}): {err}") from err
+        if traj.num_policy_tokens == 0:
+            raise ValueError(f"trajectory {i} ({traj.question_id}) has no policy tokens")
+    batch_size = len(trajectories)
+    prompt_width = max(int(t.prompt_ids.shape[0]) for t in trajectories)
+    response_width = max(t.num_response_tokens for t in trajectories)
+    total = prompt_width + response_width
+
+    input_ids = np.full((batch_size, total), pad_token_id, dtype=np.int64)
+    attention_mask = np.zeros((batch_size, total), dtype=np.int64)
+    loss_mask = np.zeros((batch_size, response_width), dtype=np.float32)
+    turn_ids = np.full((batch_size, response_width), -1, dtype=np.int64)
+    behavior_logprobs = np.zeros((batch_size, response_width), dtype=np.float32)
+    last_policy_index = np.zeros(batch_size, dtype=np.int64)
+    for b, traj in enumerate(trajectories):
+        p, r = int(traj.prompt_ids.shape[0]), traj.num_response_tokens
+        input_ids[b, prompt_width - p : prompt_width] = traj.prompt_ids
+        input_ids[b, prompt_width : prompt_width + r] = traj.response_ids
+        attention_mask[b, prompt_width - p : prompt_width + r] = 1
+        loss_mask[b, :r] = traj.loss_mask
+        turn_ids[b, :r] = traj.turn_ids
+        behavior_logprobs[b, :r] = traj.behavior_logprobs
+        last_policy_index[b] = int(np.flatnonzero(traj.loss_mask)[-1])
+
+    attention = torch.from_numpy(attention_mask)
+    position_ids = (attention.cumsum(dim=1) - 1).clamp_min(0)
+    response_lengths = torch.tensor([t.num_response_tokens for t in trajectories])
+    response_mask = (
+        torch.arange(response_width).unsqueeze(0) < response_lengths.unsqueeze(1)
+    ).float()
+    ids = torch.from_numpy(input_ids)
+    return TrainingBatch(
+        input_ids=ids,
+        attention_mask=attention,
+        position_ids=position_ids,
+        response_ids=ids[:, prompt_width:].clone(),
+        response_mask=response_mask,
+        loss_mask=torch.from_numpy(loss_mask),
+        turn_ids=torch.from_numpy(turn_ids),
+        behavior_logprobs=torch.from_numpy(behavior_logprobs),
+        last_policy_index=torch.from_numpy(last_policy_index),
+        prompt_lengths=torch.tensor([int(t.prompt_ids.shape[0]) for t in trajectories]),
+        response_lengths=response_lengths,
+        rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
+        success=torch.tensor([float(t.success) for t in trajectories], dtype=torch.float32),
+        num_turns=torch.tensor([float(t.num_turns) for t in trajectories], dtype=torch.float32),
+        group_ids=torch.tensor(_group_indices([t.group_id for t in trajectories])),
+        policy_version_min=torch.tensor([int(t.policy_version_min) for t in trajectories]),
+    )

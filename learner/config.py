@@ -1,0 +1,258 @@
+"""Configuration of the ST-PPO family and of the DeepSpeed learner.
+
+These pydantic models are the learner's section of the run config (composed by
+``services.config.RunConfig``). They import nothing heavy, so ``stppo --help`` and the
+config loader stay fast. Every field has a docstring; every bound is a ``Field`` constraint
+so a bad value fails at load time with the field's dotted path in the message.
+
+The algorithm variant is a discriminated union on ``variant`` (see
+``../shared/spec/st-ppo.md`` section 2): fields a variant does not use do not exist on it,
+so ``algorithm.tau`` on a ``ppo`` config is an error, not a silently ignored value.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class StrictModel(BaseModel):
+    """Base for every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
+
+
+# --------------------------------------------------------------------------- algorithm
+
+
+class _AlgorithmBase(StrictModel):
+    clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0)
+    """Lower clip range: ratios below ``1 - clip_eps_low`` are clipped when A < 0 (paper: 0.2)."""
+
+    clip_eps_high: float = Field(0.2, gt=0.0, le=10.0)
+    """Upper clip range: ratios above ``1 + clip_eps_high`` are clipped when A > 0 (paper: 0.2)."""
+
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses are averaged: over all masked tokens of the mini-batch, or per
+    sequence first and then over sequences."""
+
+    kl_mode: Literal["in_reward", "loss", "none"] = "in_reward"
+    """Where the KL to the frozen reference enters: subtracted from the token reward
+    (Search-R1's PPO recipe), added to the loss, or not at all."""
+
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator against the reference policy (Schulman's k1 = log-ratio, k3 = unbiased,
+    always >= 0)."""
+
+    kl_coef: float = Field(0.001, ge=0.0, le=10.0)
+    """Weight of the KL-to-reference term (spec: 0.001)."""
+
+    entropy_coef: float = Field(0.0, ge=0.0, le=1.0)
+    """Weight of the entropy bonus (spec: off by default, 0.001 when used)."""
+
+    old_logprob_source: Literal["behavior", "recompute"] = "behavior"
+    """``logp_old`` used in the ratio: the behaviour log-probs recorded by the engine at
+    generation time, or log-probs recomputed by the learner before the first epoch."""
+
+
+class _GAEFields(StrictModel):
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE discount over masked (policy) tokens."""
+
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE lambda."""
+
+    value_clip: float = Field(0.5, gt=0.0)
+    """Clip range of the value loss around the old values (spec: 0.5)."""
+
+    value_loss_coef: float = Field(1.0, gt=0.0)
+    """Weight of the critic loss (the critic has its own optimizer; this scales its loss)."""
+
+    whiten_advantages: bool = True
+    """Normalise GAE advantages to zero mean, unit variance over masked tokens of the batch."""
+
+
+class _TurnFields(StrictModel):
+    turn_advantage: Literal["token", "turn_mean"] = "token"
+    """RECONSTRUCTED. Advantage multiplying a turn ratio: each token's own A_t, or the mean
+    advantage of the turn broadcast to its tokens."""
+
+
+class _BiasCorrectionFields(StrictModel):
+    bias_norm: Literal["logprob", "param"] = "logprob"
+    """RECONSTRUCTED. How ||C|| is measured: gradient of the clipped-token surrogate w.r.t.
+    token log-probs (cheap, no extra backward) or w.r.t. parameters (exact, one extra
+    backward; ZeRO stage <= 2 only)."""
+
+    normalize_mode: Literal["triggered", "divide"] = "triggered"
+    """RECONSTRUCTED. ``triggered``: s = 1 / max(1, ||C|| / tau). ``divide``: s = 1 / (||C|| +
+    delta) whenever some token is clipped, else 1."""
+
+    tau: float = Field(0.01, gt=0.0)
+    """Threshold on ||C|| above which the triggered scale starts shrinking the loss."""
+
+    delta: float = Field(1e-8, gt=0.0)
+    """Stabiliser of the ``divide`` mode."""
+
+
+class _GroupFields(StrictModel):
+    group_std_normalize: bool = True
+    """Divide group-relative advantages by the group's reward std (GRPO); off = Dr. GRPO."""
+
+    group_eps: float = Field(1e-6, gt=0.0)
+    """Added to the group std before dividing."""
+
+
+class PPOConfig(_AlgorithmBase, _GAEFields):
+    """Token-level PPO with a critic and GAE (the baseline)."""
+
+    variant: Literal["ppo"] = "ppo"
+    """Selects this variant (``ppo``)."""
+
+
+class TurnPPOConfig(_AlgorithmBase, _GAEFields, _TurnFields):
+    """Turn-PPO: turn-level (geometric-mean) importance ratios, GAE advantages."""
+
+    variant: Literal["turn_ppo"] = "turn_ppo"
+    """Selects this variant (``turn_ppo``)."""
+
+
+class SPPOConfig(_AlgorithmBase, _GAEFields, _BiasCorrectionFields):
+    """S-PPO: token ratios with clipping-bias normalisation."""
+
+    variant: Literal["s_ppo"] = "s_ppo"
+    """Selects this variant (``s_ppo``)."""
+
+
+class STPPOConfig(_AlgorithmBase, _GAEFields, _TurnFields, _BiasCorrectionFields):
+    """ST-PPO (= SO-PPO): turn ratios with clipping-bias normalisation."""
+
+    variant: Literal["st_ppo"] = "st_ppo"
+    """Selects this variant (``st_ppo``)."""
+
+
+class GRPOConfig(_AlgorithmBase, _GroupFields):
+    """GRPO: token ratios, group-relative outcome advantages, no critic."""
+
+    variant: Literal["grpo"] = "grpo"
+    """Selects this variant (``grpo``)."""
+
+
+class SOGRPOConfig(_AlgorithmBase, _GroupFields, _TurnFields, _BiasCorrectionFields):
+    """SO-GRPO: turn ratios, group-relative advantages, clipping-bias normalisation."""
+
+    variant: Literal["so_grpo"] = "so_grpo"
+    """Selects this variant (``so_grpo``)."""
+
+
+AlgorithmConfig = Annotated[
+    PPOConfig | TurnPPOConfig | SPPOConfig | STPPOConfig | GRPOConfig | SOGRPOConfig,
+    Field(discriminator="variant"),
+]
+"""One of the six variants, chosen by ``variant`` (default ``st_ppo`` in RunConfig)."""
+
+VARIANT_CONFIGS: dict[str, type[StrictModel]] = {
+    "ppo": PPOConfig,
+    "turn_ppo": TurnPPOConfig,
+    "s_ppo": SPPOConfig,
+    "st_ppo": STPPOConfig,
+    "grpo": GRPOConfig,
+    "so_grpo": SOGRPOConfig,
+}
+"""Variant name -> its config class."""
+
+
+def uses_critic(algorithm: BaseModel) -> bool:
+    """True for variants whose advantages come from GAE over a critic."""
+    return isinstance(algorithm, _GAEFields)
+
+
+def uses_turn_ratio(algorithm: BaseModel) -> bool:
+    """True for variants that use turn-level (geometric-mean) importance ratios."""
+    return isinstance(algorithm, _TurnFields)
+
+
+def uses_bias_correction(algorithm: BaseModel) -> bool:
+    """True for variants that scale the loss by the clipping-bias norm."""
+    return isinstance(algorithm, _BiasCorrectionFields)
+
+
+# --------------------------------------------------------------------------- learner
+
+
+class LearnerConfig(StrictModel):
+    """The DeepSpeed learner: engines, optimisation, the off-policy inner loop."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage for policy and critic (``bias_norm=param`` needs <= 2)."""
+
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """Training precision (fp16 is not supported by DeepSpeed on CPU)."""
+
+    actor_lr: float = Field(1e-6, gt=0.0, le=1.0)
+    """Policy learning rate (spec: 1e-6 at 7B; small models need larger)."""
+
+    critic_lr: float = Field(1e-5, gt=0.0, le=1.0)
+    """Critic learning rate (spec: 1e-5 at 7B)."""
+
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Gradient clipping by global L2 norm (spec: 1.0)."""
+
+    train_batch_size: int = Field(8, ge=1, le=4096)
+    """Trajectories consumed per learner step."""
+
+    mini_batch_size: int = Field(4, ge=1, le=4096)
+    """Trajectories per optimizer step inside a learner step (the off-policy inner loop)."""
+
+    micro_batch_size: int = Field(2, ge=1, le=4096)
+    """Trajectories per forward/backward (gradient accumulation up to a mini-batch)."""
+
+    ppo_epochs: int = Field(1, ge=1, le=64)
+    """Passes over the step's batch; each pass after the first is further off-policy."""
+
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+    @model_validator(mode="after")
+    def _check_batch_divisibility(self) -> LearnerConfig:
+        if self.train_batch_size % self.mini_batch_size:
+            raise ValueError(
+                f"train_batch_size ({self.train_batch_size}) must be a multiple of "
+                f"mini_batch_size ({self.mini_batch_size})"
+            )
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"mini_batch_size ({self.mini_batch_size}) must be a multiple of "
+                f"micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+
+class SFTConfig(StrictModel):
+    """Warm-start supervised step on demonstration trajectories (teaches the tool format)."""
+
+    enabled: bool = True
+    """Run the warm start before RL (skipped on resume)."""
+
+    num_demonstrations: int = Field(256, ge=0, le=1_000_000)
+    """Demonstrations built from the training split and the real retrieval server."""
+
+    epochs: int = Field(2, ge=1, le=100)
+    """Passes over the demonstrations."""
+
+    lr: float = Field(5e-5, gt=0.0, le=1.0)
+    """Learning rate of the warm start."""
+
+    batch_size: int = Field(8, ge=1, le=1024)
+    """Demonstrations per optimizer step."""
+
+    reference_from_warm_start: bool = True
+    """After the warm start, the frozen reference (the KL anchor, ``kl_ref``) becomes the
+    warm-started policy, as the SFT model is the reference in InstructGPT (Ouyang et al.,
+    2022, eq. 2) and in verl/OpenRLHF. False keeps the base model as the reference."""

@@ -1,0 +1,117 @@
+"""Model-side pieces of the learner: the critic and per-token log-probs of a causal LM.
+
+The critic is a value head (``nn.Linear(hidden, 1)``) on a copy of the policy backbone
+(Search-R1's PPO recipe, spec section 3). Both the policy and the critic are evaluated on a
+:class:`learner.batch.TrainingBatch`, whose layout puts the response after a left-padded
+prompt of common width P, so the positions that predict the T response tokens are the
+contiguous columns ``P-1 .. P+T-2`` and only those go through the LM head / value head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from learner.batch import TrainingBatch
+
+
+class ValueModel(nn.Module):
+    """Critic: transformer backbone + scalar value head.
+
+    ``forward`` returns V(s_t) for every response token t, where s_t is the prefix *before*
+    token t (the state in which the policy chose token t), i.e. the hidden state at the
+    column that predicts token t.
+
+    Args:
+        backbone: an HF base model (``AutoModel``, e.g. ``LlamaModel``) returning
+            ``last_hidden_state`` [B, L, H].
+        hidden_size: H.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path, dtype: torch.dtype) -> ValueModel:
+        """Backbone weights from an HF folder (the policy's), zero-initialised value head
+        (every value starts at 0, so the first GAE advantages equal the returns)."""
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(model_path, dtype=dtype)
+        model = cls(backbone, int(backbone.config.hidden_size))
+        return model.to(dtype)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute backbone activations in backward (HF gradient checkpointing)."""
+        self.backbone.gradient_checkpointing_enable()
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, num_response: int
+    ) -> Tensor:
+        """Values of the last ``num_response`` tokens' states.
+
+        Args:
+            input_ids, attention_mask, position_ids: int64 [B, L] (TrainingBatch layout).
+            num_response: T, response columns at the end of the row.
+
+        Returns:
+            float32 [B, T]: ``values[b, t]`` = V(prefix before response token t).
+        """
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        start = hidden.shape[1] - num_response - 1
+        states = hidden[:, start : start + num_response, :]
+        return self.value_head(states).squeeze(-1).float()
+
+
+def response_logits(model: nn.Module, batch: TrainingBatch, temperature: float = 1.0) -> Tensor:
+    """Logits predicting each response token: [B, T, V] in the model's dtype.
+
+    Runs the causal LM once with ``logits_to_keep = T + 1`` (only the response region goes
+    through the LM head) and drops the last column, which predicts past the end.
+
+    Args:
+        model: an HF causal LM (or a DeepSpeed engine wrapping one).
+        batch: the collated batch (prompt width P, response width T).
+        temperature: the sampling temperature the behaviour policy used (> 0); logits are
+            divided by it so learner log-probs match the engine's.
+
+    Raises:
+        ValueError: if ``temperature <= 0``.
+    """
+    if temperature <= 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    num_response = batch.response_ids.shape[1]
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=num_response + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1, :]
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits
+
+
+def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+    """Log-probability of each label under its logits, in float32.
+
+    Args:
+        logits: float [B, T, V].
+        labels: int64 [B, T], values in [0, V).
+
+    Returns:
+        float32 [B, T]: ``log softmax(logits)[b, t, labels[b, t]]`` (natural log, <= 0).
+    """
+    logits32 = logits.float()
+    picked = torch.gather(logits32, -1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits32, dim=-1)

@@ -1,0 +1,269 @@
+"""Warm-start SFT: teach the policy the search-agent tool format before RL.
+
+A demonstration is an ordinary :class:`actors.trajectory.Trajectory` built from a training
+QA record: for each query in ``record["metadata"]["search_queries"]`` (the gold entity, then
+the bridge entity for multi-hop) a policy turn ``<think> ... </think>\\n<search> q
+</search>``, the real retrieval server's ``<information>`` block (environment tokens,
+``loss_mask = 0``), and a final policy turn ``<think> ... </think>\\n<answer> gold
+</answer>``. Prompt, information block and turn layout come from :mod:`actors.prompts`, the
+same code the rollout actors use, so the learned format is exactly the one the rollout
+parses. Cross-entropy is taken on policy tokens only (the mask selects what is trained).
+
+Source of the format: Search-R1 (Jin et al., 2025); the warm start itself is our choice (a
+135M model does not follow the tool format zero-shot).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from actors.prompts import information_ids, prompt_ids
+from actors.retrieval_client import Passage
+from actors.scoring import normalize_answer
+from actors.trajectory import Trajectory
+from learner.config import SFTConfig
+
+RetrieveFn = Callable[[list[str]], list[list[Passage]]]
+"""``queries -> top-k passages per query`` (e.g. ``RetrievalClient(...).retrieve``)."""
+
+SEARCH_THOUGHT = "<think> I need to look up {query}. </think>\n<search> {query} </search>"
+"""Policy text of a demonstration search turn."""
+
+ANSWER_THOUGHT = (
+    "<think> The information answers the question. </think>\n<answer> {answer} </answer>"
+)
+"""Policy text of the demonstration's final turn."""
+
+
+class DemonstrationError(ValueError):
+    """A QA record cannot be turned into a demonstration (the message says why)."""
+
+
+@dataclass
+class DemonstrationSet:
+    """Demonstrations and what was dropped while building them.
+
+    Attributes:
+        demonstrations: the trajectories (``extra["demonstration"] = True``).
+        num_records: records tried.
+        num_answer_not_retrieved: dropped because no retrieved passage contains a gold
+            answer (only with ``require_answer_in_passages``).
+        num_invalid: dropped records (no search queries, no gold answer...), with reasons
+            in ``invalid_reasons``.
+    """
+
+    demonstrations: list[Trajectory] = field(default_factory=list)
+    num_records: int = 0
+    num_answer_not_retrieved: int = 0
+    num_invalid: int = 0
+    invalid_reasons: list[str] = field(default_factory=list)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _search_queries(record: Mapping) -> list[str]:
+    queries = (record.get("metadata") or {}).get("search_queries")
+    if (
+        not isinstance(queries, list)
+        or not queries
+        or not all(isinstance(q, str) and q.strip() for q in queries)
+    ):
+        raise DemonstrationError(
+            f"record {record.get('id')!r}: metadata.search_queries must be a non-empty list of "
+            "non-empty strings"
+        )
+    return [q.strip() for q in queries]
+
+
+def _gold_answer(record: Mapping) -> str:
+    golden = record.get("golden_answers")
+    if not isinstance(golden, list) or not golden or not str(golden[0]).strip():
+        raise DemonstrationError(f"record {record.get('id')!r} has no golden answer")
+    return str(golden[0]).strip()
+
+
+def answer_in_passages(record: Mapping, passages: Sequence[Passage]) -> bool:
+    """Whether a normalised gold alias occurs in a retrieved passage's normalised text
+    (multiple choice: the correct option's text). Used to skip demonstrations that would
+    teach answering without evidence."""
+    if record.get("data_source") == "medical_mc":
+        meta = record.get("metadata") or {}
+        letter = str(meta.get("answer_letter", record["golden_answers"][0]))
+        aliases = [str((meta.get("options") or {}).get(letter, ""))]
+    else:
+        aliases = [str(a) for a in record["golden_answers"]]
+    wanted = [normalize_answer(a) for a in aliases if normalize_answer(a)]
+    texts = [normalize_answer(f"{p.title} {p.text}") for p in passages]
+    return any(a in t for a in wanted for t in texts)
+
+
+def build_demonstration(
+    record: Mapping,
+    tokenizer,
+    retrieve_fn: RetrieveFn,
+    *,
+    max_information_tokens: int = 256,
+    require_answer_in_passages: bool = True,
+) -> Trajectory | None:
+    """One demonstration trajectory for a QA record (format in the module docstring).
+
+    Args:
+        record: QA record with ``question``, ``golden_answers``, ``data_source`` and
+            ``metadata.search_queries``.
+        tokenizer: the policy's tokenizer (chat template required).
+        retrieve_fn: the real retrieval server's client (``RetrievalClient.retrieve``).
+        max_information_tokens: budget of one information block (the rollout's
+            ``max_information_tokens``).
+        require_answer_in_passages: return None when no retrieved passage contains a gold
+            answer.
+
+    Returns:
+        A validated :class:`Trajectory` (``reward = 1``, ``behavior_logprobs = 0``,
+        ``policy_version = -1``: not generated by any policy), or None (see above).
+
+    Raises:
+        DemonstrationError: record without search queries or gold answer.
+        actors.retrieval_client.RetrievalFailed: the server did not answer.
+    """
+    queries = _search_queries(record)
+    answer = _gold_answer(record)
+    if record.get("data_source") == "medical_mc":
+        answer = str((record.get("metadata") or {}).get("answer_letter", answer))
+    response: list[int] = []
+    loss_mask: list[int] = []
+    turn_ids: list[int] = []
+    retrieved: list[Passage] = []
+    for turn, query in enumerate(queries):
+        policy = _encode(tokenizer, SEARCH_THOUGHT.format(query=query))
+        passages = retrieve_fn([query])[0]
+        retrieved.extend(passages)
+        env = information_ids(tokenizer, passages, max_information_tokens)
+        response += policy + env
+        loss_mask += [1] * len(policy) + [0] * len(env)
+        turn_ids += [turn] * len(policy) + [-1] * len(env)
+    if require_answer_in_passages and not answer_in_passages(record, retrieved):
+        return None
+    final = _encode(tokenizer, ANSWER_THOUGHT.format(answer=answer))
+    response += final
+    loss_mask += [1] * len(final)
+    turn_ids += [len(queries)] * len(final)
+    return Trajectory(
+        prompt_ids=np.asarray(prompt_ids(tokenizer, record), dtype=np.int64),
+        response_ids=np.asarray(response, dtype=np.int64),
+        loss_mask=np.asarray(loss_mask, dtype=np.int8),
+        turn_ids=np.asarray(turn_ids, dtype=np.int32),
+        behavior_logprobs=np.zeros(len(response), dtype=np.float32),
+        reward=1.0,
+        success=True,
+        num_searches=len(queries),
+        num_turns=len(queries) + 1,
+        policy_version_min=-1,
+        policy_version_max=-1,
+        group_id=f"demo/{record['id']}",
+        question_id=str(record["id"]),
+        data_source=str(record["data_source"]),
+        finish_reason="answer",
+        answer=answer,
+        extra={"demonstration": True},
+    ).validate()
+
+
+def build_demonstrations(
+    records: Sequence[Mapping],
+    tokenizer,
+    retrieve_fn: RetrieveFn,
+    *,
+    max_information_tokens: int = 256,
+    require_answer_in_passages: bool = True,
+) -> DemonstrationSet:
+    """:func:`build_demonstration` over many records; invalid records are counted with
+    their reason, not raised (a retrieval failure still raises: that is an outage)."""
+    out = DemonstrationSet()
+    for record in records:
+        out.num_records += 1
+        try:
+            demo = build_demonstration(
+                record,
+                tokenizer,
+                retrieve_fn,
+                max_information_tokens=max_information_tokens,
+                require_answer_in_passages=require_answer_in_passages,
+            )
+        except DemonstrationError as err:
+            out.num_invalid += 1
+            out.invalid_reasons.append(str(err))
+            continue
+        if demo is None:
+            out.num_answer_not_retrieved += 1
+        else:
+            out.demonstrations.append(demo)
+    return out
+
+
+@dataclass
+class WarmStartReport:
+    """What :func:`run_warm_start` did.
+
+    Attributes:
+        losses: token-mean cross-entropy (nats/token) of each optimizer step, in order.
+        num_steps: optimizer steps taken (skipped ones included).
+        num_skipped: steps skipped by the non-finite guard.
+        num_demonstrations: demonstrations trained on.
+        wall_s: total seconds.
+        policy_version: the learner's version afterwards.
+    """
+
+    losses: list[float]
+    num_steps: int
+    num_skipped: int
+    num_demonstrations: int
+    wall_s: float
+    policy_version: int
+
+
+def run_warm_start(
+    learner, demonstrations: Sequence[Trajectory], config: SFTConfig, *, seed: int = 0
+) -> WarmStartReport:
+    """Supervised warm start of ``learner``'s policy on demonstrations.
+
+    ``config.epochs`` shuffled passes in batches of ``config.batch_size`` (the last batch of
+    a pass may be smaller), one :meth:`learner.trainer.Learner.supervised_step` each, at
+    learning rate ``config.lr``; the learner's RL learning rate is restored afterwards.
+
+    Raises:
+        ValueError: no demonstrations.
+    """
+    if not demonstrations:
+        raise ValueError("run_warm_start needs at least one demonstration")
+    start = time.perf_counter()
+    previous_lr = learner.learning_rates()["actor_lr"]
+    learner.set_lr(actor_lr=config.lr)
+    rng = random.Random(seed)
+    losses: list[float] = []
+    skipped = 0
+    try:
+        for _ in range(config.epochs):
+            order = list(range(len(demonstrations)))
+            rng.shuffle(order)
+            for i in range(0, len(order), config.batch_size):
+                batch = [demonstrations[j] for j in order[i : i + config.batch_size]]
+                metrics = learner.supervised_step(batch)
+                losses.append(metrics.loss)
+                skipped += int(metrics.skipped)
+    finally:
+        learner.set_lr(actor_lr=previous_lr)
+    return WarmStartReport(
+        losses=losses,
+        num_steps=len(losses),
+        num_skipped=skipped,
+        num_demonstrations=len(demonstrations),
+        wall_s=time.perf_counter() - start,
+        policy_version=learner.policy_version,
+    )

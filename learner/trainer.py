@@ -1,0 +1,939 @@
+"""The DeepSpeed learner: policy, critic and frozen reference, one ST-PPO-family step.
+
+:class:`Learner` holds three DeepSpeed engines (single process; gloo on CPU, see
+``../shared/spec/platform-notes.md``):
+
+- ``policy_engine``: the causal LM being trained (AdamW, ZeRO stage and dtype from
+  :class:`learner.config.LearnerConfig`);
+- ``critic_engine``: :class:`learner.modeling.ValueModel`, a value head on a copy of the
+  backbone. Built for every variant so the control plane can switch ppo <-> grpo live;
+  only GAE variants run it;
+- ``reference_engine``: a frozen copy of the initial policy (KL to reference, ``kl_ref``),
+  replaced by the warm-started policy after the warm start
+  (:attr:`learner.config.SFTConfig.reference_from_warm_start`).
+
+One :meth:`Learner.step` (spec sections 2-4) is a sequence of named stages:
+
+1. select: drop trajectories whose retrieval failed, that have no policy token, or (group
+   variants) whose group has a single member; each drop is counted.
+2. collate into a :class:`learner.batch.TrainingBatch`.
+3. prepare (no grad): reference log-probs, old values (critic variants), recomputed old
+   log-probs (``old_logprob_source = recompute``), token rewards (outcome reward on the last
+   policy token, minus ``kl_coef * KL`` with ``kl_mode = in_reward``), advantages (GAE and
+   optional whitening, or group-relative).
+4. optimise: ``ppo_epochs`` shuffled passes, mini-batches of ``mini_batch_size``
+   trajectories (one optimizer step each), accumulated over micro-batches of
+   ``micro_batch_size``. Loss terms are weighted with the mini-batch denominators, so the
+   accumulated gradient equals the mini-batch loss's gradient.
+5. ``policy_version += 1``; metrics.
+
+Non-finite guard: a micro-batch whose loss is NaN/inf poisons that engine's gradients with
+NaN, so DeepSpeed's overflow check (ZeRO >= 1, or bf16) skips the optimizer step and clears
+them; fp32 ZeRO-0 has no such check, so the learner checks the gradient norm itself and
+zeroes instead of stepping. Skipped steps are counted, weights never become NaN.
+
+Clipping-bias norm ||C|| is measured per micro-batch, normalised by that micro-batch's own
+token count (an intensive quantity, independent of how a mini-batch is split); with
+``micro_batch_size == mini_batch_size`` it is the spec's mini-batch ||C|| exactly. With
+``bias_norm = param`` it costs one extra backward per micro-batch
+(``torch.autograd.grad`` of :func:`learner.losses.clip_bias_surrogate`, which does not touch
+DeepSpeed's gradient buffers); ZeRO stage <= 2 only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from pydantic import BaseModel, TypeAdapter
+from torch import Tensor
+
+from actors.trajectory import Trajectory
+from learner import advantages as adv_fns
+from learner import losses
+from learner.batch import TrainingBatch, collate_trajectories
+from learner.config import (
+    AlgorithmConfig,
+    LearnerConfig,
+    SFTConfig,
+    uses_bias_correction,
+    uses_critic,
+    uses_turn_ratio,
+)
+from learner.distributed import init_single_process_distributed
+from learner.modeling import ValueModel, response_logits, token_logprobs
+from learner.sft import WarmStartReport, run_warm_start
+
+_ALGORITHM_ADAPTER: TypeAdapter = TypeAdapter(AlgorithmConfig)
+
+_ADDITIVE_METRICS = ("pg_loss", "value_loss")
+"""Micro-batch pieces of a mini-batch loss: summed within a mini-batch, then averaged."""
+
+
+class EmptyBatchError(ValueError):
+    """No trajectory of a step is trainable (all excluded); the message says why."""
+
+
+class WeightsExport(NamedTuple):
+    """Policy weights ready to ship to generation engines.
+
+    Attributes:
+        state_dict: HF parameter name -> contiguous CPU tensor, cloned (owns its memory:
+            nothing references DeepSpeed's buffers). Tied weights share one clone.
+        policy_version: the learner's version of these weights (incremented once per step).
+    """
+
+    state_dict: dict[str, Tensor]
+    policy_version: int
+
+
+@dataclass
+class StepMetrics(Mapping):
+    """What one learner step measured (names as in spec section 4, units in suffixes).
+
+    Also a read-only ``Mapping`` of field name -> value (``dict(metrics)``,
+    ``metrics.get("skipped_steps")``), which is how the driver logs and exports it.
+
+    Loss-side values are averages over the step's micro-batches (``pg_loss`` and
+    ``value_loss``: over mini-batches of the mini-batch loss); ``grad_norm`` is the mean
+    pre-clip global norm of the applied policy optimizer steps (NaN if none applied).
+
+    Attributes:
+        policy_version: the version *after* this step.
+        global_step: learner steps done, this one included.
+        staleness: ``policy_version_before_step - policy_version_min`` per trained
+            trajectory (the histogram the driver exports).
+        train_logprob_gap: mean |behaviour - learner| log-prob over policy tokens (nats),
+            the learner log-probs taken at the current version before any update of this
+            step (recomputed for the whole batch with ``old_logprob_source = recompute``,
+            else the first mini-batch); mixes inference/training mismatch with staleness.
+        skipped_steps: policy optimizer steps skipped in this step (non-finite loss or
+            gradient norm); ``critic_skipped_steps`` likewise; ``nonfinite_steps_total``:
+            cumulative policy skips since construction.
+        num_excluded_retrieval_failed, num_excluded_no_policy_tokens,
+        num_excluded_singleton_group: trajectories dropped before training, by reason.
+        value_loss, critic_grad_norm: 0.0 for variants without a critic.
+    """
+
+    policy_version: int
+    global_step: int
+    variant: str
+    num_trajectories: int
+    num_excluded_retrieval_failed: int
+    num_excluded_no_policy_tokens: int
+    num_excluded_singleton_group: int
+    optimizer_steps: int
+    skipped_steps: int
+    critic_skipped_steps: int
+    nonfinite_steps_total: int
+    clip_ratio: float
+    clip_ratio_turn: float
+    approx_kl: float
+    kl_ref: float
+    entropy: float
+    pg_loss: float
+    value_loss: float
+    grad_norm: float
+    critic_grad_norm: float
+    clip_bias_norm: float
+    clip_bias_scale: float
+    reward_mean: float
+    success_rate: float
+    num_turns_mean: float
+    response_tokens_mean: float
+    advantage_mean: float
+    advantage_std: float
+    tokens_per_s: float
+    step_s: float
+    train_logprob_gap: float | None
+    staleness: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSONL log line)."""
+        return dataclasses.asdict(self)
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.__dataclass_fields__:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.__dataclass_fields__)
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
+
+
+@dataclass
+class SupervisedStepMetrics:
+    """One warm-start SFT optimizer step.
+
+    Attributes:
+        loss: token-mean cross-entropy over policy tokens (nats/token), before the update.
+        grad_norm: pre-clip global gradient norm (inf/NaN when skipped).
+        num_policy_tokens: tokens trained on.
+        skipped: True when the non-finite guard skipped the update.
+        policy_version: the version after this step.
+        step_s, tokens_per_s: wall time and real (prompt + response) tokens per second.
+    """
+
+    loss: float
+    grad_norm: float
+    num_policy_tokens: int
+    skipped: bool
+    policy_version: int
+    step_s: float
+    tokens_per_s: float
+
+
+@dataclass
+class _Selection:
+    kept: list[Trajectory]
+    retrieval_failed: int
+    no_policy_tokens: int
+    singleton_group: int
+
+
+@dataclass
+class _StepAccumulator:
+    """Per-step running sums of micro-batch metrics and optimizer outcomes."""
+
+    micro: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    mini: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    optimizer_steps: int = 0
+    skipped: int = 0
+    critic_skipped: int = 0
+    grad_norms: list[float] = field(default_factory=list)
+    critic_grad_norms: list[float] = field(default_factory=list)
+    logprob_gaps: list[float] = field(default_factory=list)
+
+    def mean(self, name: str, default: float = 0.0) -> float:
+        values = self.mini[name] if name in _ADDITIVE_METRICS else self.micro[name]
+        return float(sum(values) / len(values)) if values else default
+
+
+def deepspeed_config(config: LearnerConfig, lr: float, *, with_optimizer: bool) -> dict:
+    """The DeepSpeed config dict for one engine.
+
+    Accumulation is unmanaged (``managed_gradient_accumulation = false``): the learner calls
+    ``backward`` per micro-batch and ``step`` once per mini-batch, since the number of
+    micro-batches varies with excluded trajectories. ``torch_adam`` avoids DeepSpeed's own
+    Adam extension (a 54 s JIT build on CPU).
+
+    Args:
+        config: the learner section.
+        lr: learning rate of this engine's AdamW.
+        with_optimizer: False for the frozen reference (ZeRO 0, no optimizer).
+    """
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "gradient_accumulation_steps": config.mini_batch_size // config.micro_batch_size,
+        "bf16": {"enabled": config.dtype == "bf16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if not with_optimizer:
+        ds["zero_optimization"] = {"stage": 0}
+        ds["bf16"] = {"enabled": False}  # weights are already bf16; no optimizer wrapper
+        return ds
+    ds.update(
+        {
+            "managed_gradient_accumulation": False,
+            "gradient_clipping": config.max_grad_norm,
+            "zero_optimization": {"stage": config.zero_stage},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": lr, "weight_decay": config.weight_decay, "torch_adam": True},
+            },
+        }
+    )
+    return ds
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def _pad_columns(x: Tensor, width: int) -> Tensor:
+    """Right-pad a [b, t] tensor with zeros to [b, width]."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def _chunks(n: int, size: int) -> list[list[int]]:
+    return [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+
+
+def _scalar(x: Tensor | float | None) -> float:
+    if x is None:
+        return float("nan")
+    return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
+class Learner:
+    """Policy + critic + reference under DeepSpeed, trained with the ST-PPO family.
+
+    Args:
+        model_path: HF folder (weights + tokenizer) the policy, critic backbone and
+            reference start from.
+        config: the learner section (ZeRO stage, dtype, lrs, batch sizes, epochs).
+        algorithm: one of the six variants (``learner.config.AlgorithmConfig``); switchable
+            with :meth:`set_algorithm`.
+        seed: seeds initialisation and the mini-batch shuffles.
+        temperature: sampling temperature of the rollout engines; learner logits are divided
+            by it so ratios compare like with like.
+
+    Raises:
+        ValueError: ``bias_norm = param`` with ZeRO stage 3; temperature <= 0.
+
+    Example::
+
+        learner = Learner("data/model/smollm2-135m-instruct", LearnerConfig(), STPPOConfig())
+        metrics = learner.step(trajectories)
+        weights, version = learner.export_weights()
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: LearnerConfig,
+        algorithm: BaseModel,
+        *,
+        seed: int = 0,
+        temperature: float = 1.0,
+    ) -> None:
+        if temperature <= 0.0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        init_single_process_distributed("nccl" if torch.cuda.is_available() else "gloo")
+        import deepspeed
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = Path(model_path)
+        self.config = config
+        self.seed = seed
+        self.temperature = temperature
+        self.algorithm = self._validated_algorithm(algorithm)
+        self.policy_version = 0
+        self.global_step = 0
+        self.nonfinite_steps_total = 0
+        self.reference_version: int | None = None  # None: the reference is the base model
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+        dtype = _torch_dtype(config.dtype)
+        torch.manual_seed(seed)
+        policy = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        critic = ValueModel.from_pretrained(self.model_path, dtype=dtype)
+        reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        reference.requires_grad_(False).eval()
+        if config.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+            critic.gradient_checkpointing_enable()
+        self.policy_engine = self._initialize(deepspeed, policy, config.actor_lr)
+        self.critic_engine = self._initialize(deepspeed, critic, config.critic_lr)
+        self.reference_engine, *_ = deepspeed.initialize(
+            model=reference, config=deepspeed_config(config, 0.0, with_optimizer=False)
+        )
+        self.device = self.policy_engine.device
+
+    # ------------------------------------------------------------------ control
+
+    def _initialize(self, deepspeed: Any, model: torch.nn.Module, lr: float) -> Any:
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=deepspeed_config(self.config, lr, with_optimizer=True),
+        )
+        return engine
+
+    def _validated_algorithm(self, algorithm: BaseModel | dict) -> BaseModel:
+        algorithm = _ALGORITHM_ADAPTER.validate_python(
+            algorithm.model_dump() if isinstance(algorithm, BaseModel) else algorithm
+        )
+        if (
+            uses_bias_correction(algorithm)
+            and algorithm.bias_norm == "param"
+            and self.config.zero_stage == 3
+        ):
+            raise ValueError(
+                "bias_norm='param' needs full parameters for its extra backward: "
+                "use zero_stage <= 2 or bias_norm='logprob'"
+            )
+        return algorithm
+
+    def set_algorithm(self, algorithm: BaseModel | dict) -> None:
+        """Switch the variant / its options; takes effect at the next :meth:`step`.
+
+        Raises:
+            pydantic.ValidationError: not a valid algorithm config.
+            ValueError: ``bias_norm = param`` with ZeRO stage 3.
+        """
+        self.algorithm = self._validated_algorithm(algorithm)
+
+    def set_lr(self, actor_lr: float | None = None, critic_lr: float | None = None) -> None:
+        """Change learning rates from the next optimizer step on.
+
+        Raises:
+            ValueError: a learning rate that is not > 0.
+        """
+        for engine, lr in ((self.policy_engine, actor_lr), (self.critic_engine, critic_lr)):
+            if lr is None:
+                continue
+            if not lr > 0.0:
+                raise ValueError(f"learning rates must be > 0, got {lr}")
+            for group in engine.optimizer.param_groups:
+                group["lr"] = lr
+
+    def learning_rates(self) -> dict[str, float]:
+        """Current ``{"actor_lr": ..., "critic_lr": ...}``."""
+        return {
+            "actor_lr": float(self.policy_engine.optimizer.param_groups[0]["lr"]),
+            "critic_lr": float(self.critic_engine.optimizer.param_groups[0]["lr"]),
+        }
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, trajectories: Sequence[Trajectory]) -> StepMetrics:
+        """One learner step on a batch of trajectories (stages in the module docstring).
+
+        Args:
+            trajectories: rollouts, any number >= 1 (mini-batches of
+                ``config.mini_batch_size``; the last one may be smaller).
+
+        Returns:
+            :class:`StepMetrics`.
+
+        Raises:
+            EmptyBatchError: every trajectory was excluded (the step is not taken and the
+                version does not change).
+            ValueError: a trajectory that fails :meth:`Trajectory.validate`.
+        """
+        start = time.perf_counter()
+        algorithm = self.algorithm
+        selection = self._select(trajectories, algorithm)
+        batch = collate_trajectories(selection.kept, self.pad_token_id)
+        staleness = [self.policy_version - int(v) for v in batch.policy_version_min]
+        acc = _StepAccumulator()
+        self._prepare(batch, algorithm, acc)
+        self._optimize(batch, algorithm, acc)
+        self.global_step += 1
+        self.policy_version += 1
+        step_s = time.perf_counter() - start
+        return self._step_metrics(batch, algorithm, selection, acc, staleness, step_s)
+
+    def _select(self, trajectories: Sequence[Trajectory], algorithm: BaseModel) -> _Selection:
+        kept = [t for t in trajectories if not t.retrieval_failed]
+        retrieval_failed = len(trajectories) - len(kept)
+        with_tokens = [t for t in kept if t.num_policy_tokens > 0]
+        no_tokens = len(kept) - len(with_tokens)
+        singleton = 0
+        if not uses_critic(algorithm):
+            sizes: dict[str, int] = defaultdict(int)
+            for t in with_tokens:
+                sizes[t.group_id] += 1
+            grouped = [t for t in with_tokens if sizes[t.group_id] >= 2]
+            singleton = len(with_tokens) - len(grouped)
+            with_tokens = grouped
+        if not with_tokens:
+            raise EmptyBatchError(
+                f"no trainable trajectory among {len(trajectories)}: {retrieval_failed} "
+                f"retrieval failed, {no_tokens} without policy tokens, {singleton} alone "
+                "in their group (group-relative advantages need >= 2 per group)"
+            )
+        return _Selection(with_tokens, retrieval_failed, no_tokens, singleton)
+
+    # ------------------------------------------------------------------ prepare (no grad)
+
+    @torch.no_grad()
+    def _prepare(self, batch: TrainingBatch, algorithm: BaseModel, acc: _StepAccumulator) -> None:
+        width = batch.response_ids.shape[1]
+        ref, old_values, recomputed = [], [], []
+        for rows in _chunks(batch.batch_size, self.config.micro_batch_size):
+            micro = batch.select(rows).to(self.device)
+            ref.append(_pad_columns(self._logprobs(self.reference_engine, micro).cpu(), width))
+            if uses_critic(algorithm):
+                old_values.append(_pad_columns(self._values(micro).cpu(), width))
+            if algorithm.old_logprob_source == "recompute":
+                logprobs = self._logprobs(self.policy_engine, micro).cpu()
+                recomputed.append(_pad_columns(logprobs, width))
+        batch.ref_logprobs = torch.cat(ref)
+        if recomputed:
+            batch.old_logprobs = torch.cat(recomputed)
+            gap = (batch.behavior_logprobs - batch.old_logprobs).abs()
+            acc.logprob_gaps.append(_scalar(losses.masked_mean(gap, batch.loss_mask)))
+        else:
+            batch.old_logprobs = batch.behavior_logprobs
+        if uses_critic(algorithm):
+            batch.old_values = torch.cat(old_values) * batch.loss_mask
+        self._compute_advantages(batch, algorithm)
+
+    def _logprobs(self, engine: Any, micro: TrainingBatch) -> Tensor:
+        logits = response_logits(engine, micro, self.temperature)
+        return token_logprobs(logits, micro.response_ids) * micro.loss_mask
+
+    def _values(self, micro: TrainingBatch) -> Tensor:
+        return self.critic_engine(
+            micro.input_ids, micro.attention_mask, micro.position_ids, micro.response_ids.shape[1]
+        )
+
+    def _compute_advantages(self, batch: TrainingBatch, algorithm: BaseModel) -> None:
+        """Token rewards and advantages (and returns for critic variants), in place."""
+        mask = batch.loss_mask
+        kl = torch.zeros_like(mask)
+        if algorithm.kl_mode == "in_reward" and algorithm.kl_coef > 0.0:
+            kl = losses.kl_penalty(batch.old_logprobs, batch.ref_logprobs, algorithm.kl_estimator)
+            kl = kl * mask
+        if uses_critic(algorithm):
+            token_rewards = torch.zeros_like(mask)
+            rows = torch.arange(batch.batch_size)
+            token_rewards[rows, batch.last_policy_index] = batch.rewards
+            token_rewards = token_rewards - algorithm.kl_coef * kl
+            gae = adv_fns.compute_gae(
+                token_rewards, batch.old_values, mask, gamma=algorithm.gamma, lam=algorithm.lam
+            )
+            advantages = gae.advantages
+            if algorithm.whiten_advantages:
+                advantages = adv_fns.whiten(advantages, mask)
+            batch.advantages, batch.returns = advantages.float(), gae.returns.float()
+            return
+        # group-relative: KL-in-reward lowers the scalar reward by the trajectory's total KL
+        rewards = batch.rewards - algorithm.kl_coef * kl.sum(dim=1)
+        per_sequence = adv_fns.group_relative_advantages(
+            rewards,
+            batch.group_ids,
+            std_normalize=algorithm.group_std_normalize,
+            eps=algorithm.group_eps,
+        )
+        batch.advantages = adv_fns.broadcast_sequence_advantages(per_sequence, mask).float()
+
+    # ------------------------------------------------------------------ optimise
+
+    def _optimize(self, batch: TrainingBatch, algorithm: BaseModel, acc: _StepAccumulator) -> None:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.global_step)
+        for epoch in range(self.config.ppo_epochs):
+            order = torch.randperm(batch.batch_size, generator=generator)
+            for start in range(0, batch.batch_size, self.config.mini_batch_size):
+                rows = order[start : start + self.config.mini_batch_size]
+                on_policy = epoch == 0 and start == 0
+                self._train_mini_batch(batch.select(rows), algorithm, acc, on_policy)
+
+    def _agg_denominator(self, mini: TrainingBatch, algorithm: BaseModel) -> float:
+        per_sequence = mini.loss_mask.sum(dim=1)
+        if algorithm.loss_agg_mode == "token-mean":
+            return float(per_sequence.sum())
+        return float((per_sequence > 0).sum())
+
+    def _train_mini_batch(
+        self, mini: TrainingBatch, algorithm: BaseModel, acc: _StepAccumulator, on_policy: bool
+    ) -> None:
+        denominator = self._agg_denominator(mini, algorithm)
+        sums: dict[str, float] = defaultdict(float)
+        policy_finite, critic_finite = True, True
+        for rows in _chunks(mini.batch_size, self.config.micro_batch_size):
+            micro = mini.select(rows).to(self.device)
+            metrics = self._policy_backward(micro, algorithm, denominator, on_policy, acc)
+            policy_finite &= math.isfinite(metrics["loss"])
+            if uses_critic(algorithm):
+                value_metrics = self._critic_backward(micro, algorithm, denominator)
+                critic_finite &= math.isfinite(value_metrics["loss"])
+                sums["value_loss"] += value_metrics["value_loss"]
+            sums["pg_loss"] += metrics["pg_loss"]
+            for name, value in metrics.items():
+                acc.micro[name].append(value)
+        for name, value in sums.items():
+            acc.mini[name].append(value)
+        applied, grad_norm = self._optimizer_step(self.policy_engine, policy_finite)
+        acc.optimizer_steps += 1
+        if applied:
+            acc.grad_norms.append(grad_norm)
+        else:
+            acc.skipped += 1
+            self.nonfinite_steps_total += 1
+        if uses_critic(algorithm):
+            applied, grad_norm = self._optimizer_step(self.critic_engine, critic_finite)
+            if applied:
+                acc.critic_grad_norms.append(grad_norm)
+            else:
+                acc.critic_skipped += 1
+
+    def _policy_backward(
+        self,
+        micro: TrainingBatch,
+        algorithm: BaseModel,
+        denominator: float,
+        on_policy: bool,
+        acc: _StepAccumulator,
+    ) -> dict[str, float]:
+        """Forward, loss and backward of one policy micro-batch; returns float metrics."""
+        logits = response_logits(self.policy_engine, micro, self.temperature)
+        logprobs = token_logprobs(logits, micro.response_ids)
+        with torch.set_grad_enabled(algorithm.entropy_coef > 0.0):
+            entropy = losses.entropy_from_logits(logits)
+        del logits
+        mask = micro.loss_mask
+        if on_policy and algorithm.old_logprob_source == "behavior":
+            gap = (micro.behavior_logprobs - logprobs.detach()).abs()
+            acc.logprob_gaps.append(_scalar(losses.masked_mean(gap, mask)))
+        kwargs = self._policy_loss_kwargs(algorithm)
+        clip_bias_norm = self._clip_bias_norm(logprobs, micro, algorithm, kwargs)
+        out = losses.compute_policy_loss(
+            logprobs,
+            micro.old_logprobs,
+            micro.advantages,
+            mask,
+            micro.turn_ids,
+            clip_bias_norm=clip_bias_norm,
+            agg_denominator=denominator,
+            **kwargs,
+        )
+        weights = losses.aggregation_weights(
+            mask, loss_agg_mode=algorithm.loss_agg_mode, agg_denominator=denominator
+        )
+        kl_ref = losses.kl_penalty(logprobs, micro.ref_logprobs, algorithm.kl_estimator)
+        loss = out.loss
+        if algorithm.kl_mode == "loss" and algorithm.kl_coef > 0.0:
+            loss = loss + algorithm.kl_coef * (weights * kl_ref).sum()
+        if algorithm.entropy_coef > 0.0:
+            loss = loss - algorithm.entropy_coef * (weights * entropy).sum()
+        self._backward(self.policy_engine, loss, logprobs)
+        with torch.no_grad():
+            k3 = losses.kl_penalty(logprobs.detach(), micro.ref_logprobs, "k3")
+            metrics = {name: _scalar(value) for name, value in out.metrics.items()}
+            metrics["kl_ref"] = _scalar(losses.masked_mean(k3, mask))
+            metrics["entropy"] = _scalar(losses.masked_mean(entropy.detach(), mask))
+            metrics["loss"] = _scalar(loss)
+        return metrics
+
+    def _policy_loss_kwargs(self, algorithm: BaseModel) -> dict[str, Any]:
+        turn = uses_turn_ratio(algorithm)
+        bias = uses_bias_correction(algorithm)
+        kwargs: dict[str, Any] = {
+            "ratio_level": "turn" if turn else "token",
+            "clip_eps_low": algorithm.clip_eps_low,
+            "clip_eps_high": algorithm.clip_eps_high,
+            "turn_advantage": algorithm.turn_advantage if turn else "token",
+            "loss_agg_mode": algorithm.loss_agg_mode,
+            "bias_correction": bias,
+        }
+        if bias:
+            kwargs.update(
+                normalize_mode=algorithm.normalize_mode, tau=algorithm.tau, delta=algorithm.delta
+            )
+        return kwargs
+
+    def _clip_bias_norm(
+        self, logprobs: Tensor, micro: TrainingBatch, algorithm: BaseModel, kwargs: dict
+    ) -> Tensor:
+        """||C|| of this micro-batch, normalised by its own token count (module docstring)."""
+        common = (micro.old_logprobs, micro.advantages, micro.loss_mask, micro.turn_ids)
+        if uses_bias_correction(algorithm) and algorithm.bias_norm == "param":
+            return self._param_clip_bias_norm(micro, kwargs)
+        with torch.no_grad():
+            out = losses.compute_policy_loss(logprobs.detach(), *common, **kwargs)
+        return out.metrics["clip_bias_norm"]
+
+    def _param_clip_bias_norm(self, micro: TrainingBatch, kwargs: dict) -> Tensor:
+        """||grad_theta clip_bias_surrogate|| over all policy parameters (``bias_norm =
+        param``).
+
+        The gradient is taken on a separate forward through detached aliases of the
+        parameters (``torch.func.functional_call``; same storage, no copy): DeepSpeed hooks
+        the engine's forward outputs and parameters to drive its gradient reduction, and a
+        ``torch.autograd.grad`` through that graph would run its backward epilogue. Cost:
+        one extra policy forward + backward per micro-batch.
+        """
+        from torch.func import functional_call
+
+        module = self.policy_engine.module
+        aliases = {
+            name: p.detach().requires_grad_(True)
+            for name, p in module.named_parameters()
+            if p.requires_grad
+        }
+        tensors = {**dict(module.named_buffers()), **aliases}
+        num_response = micro.response_ids.shape[1]
+        out = functional_call(
+            module,
+            tensors,
+            args=(),
+            kwargs={
+                "input_ids": micro.input_ids,
+                "attention_mask": micro.attention_mask,
+                "position_ids": micro.position_ids,
+                "logits_to_keep": num_response + 1,
+                "use_cache": False,
+            },
+        )
+        logits = out.logits[:, :-1, :]
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        logprobs = token_logprobs(logits, micro.response_ids)
+        del out, logits
+        surrogate = losses.clip_bias_surrogate(
+            logprobs,
+            micro.old_logprobs,
+            micro.advantages,
+            micro.loss_mask,
+            micro.turn_ids,
+            ratio_level=kwargs["ratio_level"],
+            clip_eps_low=kwargs["clip_eps_low"],
+            clip_eps_high=kwargs["clip_eps_high"],
+            turn_advantage=kwargs["turn_advantage"],
+            loss_agg_mode=kwargs["loss_agg_mode"],
+        )
+        grads = torch.autograd.grad(surrogate, list(aliases.values()), allow_unused=True)
+        squares = [g.float().square().sum() for g in grads if g is not None]
+        return torch.stack(squares).sum().sqrt()
+
+    def _critic_backward(
+        self, micro: TrainingBatch, algorithm: BaseModel, denominator: float
+    ) -> dict[str, float]:
+        values = self._values(micro)
+        out = losses.compute_value_loss(
+            values,
+            micro.old_values,
+            micro.returns,
+            micro.loss_mask,
+            value_clip=algorithm.value_clip,
+            loss_agg_mode=algorithm.loss_agg_mode,
+            agg_denominator=denominator,
+        )
+        loss = algorithm.value_loss_coef * out.loss
+        self._backward(self.critic_engine, loss, values)
+        metrics = {name: _scalar(value) for name, value in out.metrics.items()}
+        metrics["loss"] = _scalar(loss)
+        return metrics
+
+    @staticmethod
+    def _backward(engine: Any, loss: Tensor, output: Tensor) -> None:
+        """``engine.backward(loss)``; a non-finite loss instead poisons every gradient with
+        NaN (through ``output``, which depends on all trained parameters), so the step's
+        overflow check cannot miss it even where the loss's NaN would not reach a gradient."""
+        if not torch.isfinite(loss.detach()):
+            loss = output.float().sum() * float("nan")
+        engine.backward(loss, scale_wrt_gas=False)
+
+    def _optimizer_step(self, engine: Any, loss_finite: bool) -> tuple[bool, float]:
+        """Step ``engine`` unless its gradients are non-finite; (applied, pre-clip norm)."""
+        if not (engine.zero_optimization() or engine.bfloat16_enabled()):
+            # fp32 ZeRO-0: a plain torch optimizer, which would write NaN weights.
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            norm = _scalar(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+            if not (loss_finite and math.isfinite(norm)):
+                engine.zero_grad()
+                return False, norm
+            engine.step()
+            return True, norm
+        engine.step()
+        return bool(engine.was_step_applied()), _scalar(engine.get_global_grad_norm())
+
+    # ------------------------------------------------------------------ supervised (SFT)
+
+    def supervised_step(self, trajectories: Sequence[Trajectory]) -> SupervisedStepMetrics:
+        """One optimizer step of token-mean cross-entropy on policy tokens (warm-start SFT).
+
+        ``loss = -(1/N) sum_t m_t log pi(y_t)`` over the whole batch (N = policy tokens),
+        accumulated over micro-batches of ``micro_batch_size``; same non-finite guard as
+        :meth:`step`. The critic and reference are untouched. ``policy_version`` increments
+        (the weights changed).
+
+        Raises:
+            ValueError: empty input or a trajectory that fails validation / has no policy
+                token.
+        """
+        start = time.perf_counter()
+        batch = collate_trajectories(list(trajectories), self.pad_token_id)
+        denominator = float(batch.num_policy_tokens)
+        total, finite = 0.0, True
+        for rows in _chunks(batch.batch_size, self.config.micro_batch_size):
+            micro = batch.select(rows).to(self.device)
+            logits = response_logits(self.policy_engine, micro, self.temperature)
+            logprobs = token_logprobs(logits, micro.response_ids)
+            del logits
+            loss = -(logprobs * micro.loss_mask).sum() / denominator
+            self._backward(self.policy_engine, loss, logprobs)
+            total += _scalar(loss)
+            finite &= math.isfinite(_scalar(loss))
+        applied, grad_norm = self._optimizer_step(self.policy_engine, finite)
+        if not applied:
+            self.nonfinite_steps_total += 1
+        self.policy_version += 1
+        step_s = time.perf_counter() - start
+        return SupervisedStepMetrics(
+            loss=total,
+            grad_norm=grad_norm,
+            num_policy_tokens=batch.num_policy_tokens,
+            skipped=not applied,
+            policy_version=self.policy_version,
+            step_s=step_s,
+            tokens_per_s=batch.num_tokens / step_s,
+        )
+
+    def warm_start(
+        self, demonstrations: Sequence[Trajectory], config: SFTConfig
+    ) -> WarmStartReport:
+        """Warm-start SFT on demonstrations (:func:`learner.sft.run_warm_start`, seeded with
+        the learner's seed); returns its :class:`learner.sft.WarmStartReport`."""
+        report = run_warm_start(self, demonstrations, config, seed=self.seed)
+        if config.reference_from_warm_start:
+            self.reset_reference_to_policy()
+        return report
+
+    def reset_reference_to_policy(self) -> None:
+        """Copy the current policy weights into the frozen reference (``kl_ref`` is measured
+        against these from now on); :meth:`save_checkpoint` then saves the reference too.
+        """
+        self.reference_engine.module.load_state_dict(self.export_weights().state_dict)
+        self.reference_version = self.policy_version
+
+    # ------------------------------------------------------------------ metrics
+
+    def _step_metrics(
+        self,
+        batch: TrainingBatch,
+        algorithm: BaseModel,
+        selection: _Selection,
+        acc: _StepAccumulator,
+        staleness: list[int],
+        step_s: float,
+    ) -> StepMetrics:
+        mask = batch.loss_mask
+        advantages = batch.advantages[mask.bool()]
+
+        def mean_or_nan(values: list[float]) -> float:
+            return float(sum(values) / len(values)) if values else float("nan")
+
+        return StepMetrics(
+            policy_version=self.policy_version,
+            global_step=self.global_step,
+            variant=algorithm.variant,
+            num_trajectories=batch.batch_size,
+            num_excluded_retrieval_failed=selection.retrieval_failed,
+            num_excluded_no_policy_tokens=selection.no_policy_tokens,
+            num_excluded_singleton_group=selection.singleton_group,
+            optimizer_steps=acc.optimizer_steps,
+            skipped_steps=acc.skipped,
+            critic_skipped_steps=acc.critic_skipped,
+            nonfinite_steps_total=self.nonfinite_steps_total,
+            clip_ratio=acc.mean("clip_ratio"),
+            clip_ratio_turn=acc.mean("clip_ratio_turn"),
+            approx_kl=acc.mean("approx_kl"),
+            kl_ref=acc.mean("kl_ref"),
+            entropy=acc.mean("entropy"),
+            pg_loss=acc.mean("pg_loss"),
+            value_loss=acc.mean("value_loss"),
+            grad_norm=mean_or_nan(acc.grad_norms),
+            critic_grad_norm=mean_or_nan(acc.critic_grad_norms) if uses_critic(algorithm) else 0.0,
+            clip_bias_norm=acc.mean("clip_bias_norm"),
+            clip_bias_scale=acc.mean("clip_bias_scale", default=1.0),
+            reward_mean=float(batch.rewards.mean()),
+            success_rate=float(batch.success.mean()),
+            num_turns_mean=float(batch.num_turns.mean()),
+            response_tokens_mean=float(batch.response_lengths.float().mean()),
+            advantage_mean=float(advantages.mean()),
+            advantage_std=float(advantages.std()) if advantages.numel() > 1 else 0.0,
+            tokens_per_s=batch.num_tokens * self.config.ppo_epochs / step_s,
+            step_s=step_s,
+            train_logprob_gap=mean_or_nan(acc.logprob_gaps) if acc.logprob_gaps else None,
+            staleness=staleness,
+        )
+
+    # ------------------------------------------------------------------ weights, checkpoints
+
+    def export_weights(self) -> WeightsExport:
+        """The policy's weights as HF-named, contiguous, cloned CPU tensors + its version.
+
+        Clones own their memory (shipping views of DeepSpeed buffers through the Ray object
+        store kept those buffers alive: a learner grew to 21 GB). Under ZeRO-3 the
+        partitioned parameters are gathered first. Tied parameters (SmolLM2's embedding and
+        LM head) map to one shared clone, so ``load_state_dict`` of a fresh HF model works.
+        """
+        module = self.policy_engine.module
+        state: dict[str, Tensor] = {}
+        clones: dict[int, Tensor] = {}
+        with self._gathered(module):
+            for name, tensor in module.state_dict().items():
+                key = tensor.data_ptr()
+                if key not in clones:
+                    clones[key] = tensor.detach().to("cpu", copy=True).contiguous()
+                state[name] = clones[key]
+        return WeightsExport(state_dict=state, policy_version=self.policy_version)
+
+    def _gathered(self, module: torch.nn.Module) -> Any:
+        import contextlib
+
+        if self.config.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Save policy and critic (weights, optimizer state), step and version, plus an HF
+        folder of the policy (``<directory>/hf_policy``, loadable by ``from_pretrained``).
+
+        Layout: ``policy/`` and ``critic/`` (DeepSpeed checkpoints), ``learner_state.json``,
+        ``hf_policy/``, and ``hf_reference/`` when the reference is no longer the base model
+        (:meth:`reset_reference_to_policy`). Returns ``directory``.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tag = f"step_{self.global_step}"
+        self.policy_engine.save_checkpoint(str(directory / "policy"), tag=tag)
+        self.critic_engine.save_checkpoint(str(directory / "critic"), tag=tag)
+        state = {
+            "global_step": self.global_step,
+            "policy_version": self.policy_version,
+            "nonfinite_steps_total": self.nonfinite_steps_total,
+            "algorithm": self.algorithm.model_dump(),
+            "tag": tag,
+        }
+        hf_dir = directory / "hf_policy"
+        export = self.export_weights()
+        self.policy_engine.module.save_pretrained(hf_dir, state_dict=export.state_dict)
+        self.tokenizer.save_pretrained(hf_dir)
+        if self.reference_version is not None:  # not the base model: it cannot be reloaded
+            self.reference_engine.module.save_pretrained(directory / "hf_reference")
+        state["reference_version"] = self.reference_version
+        (directory / "learner_state.json").write_text(json.dumps(state, indent=2))
+        return directory
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (weights, optimizer states, step,
+        version, algorithm).
+
+        Raises:
+            FileNotFoundError: ``learner_state.json`` or a DeepSpeed checkpoint is missing.
+        """
+        directory = Path(directory)
+        state_path = directory / "learner_state.json"
+        if not state_path.exists():
+            raise FileNotFoundError(f"{state_path} not found: not a learner checkpoint")
+        state = json.loads(state_path.read_text())
+        for name, engine in (("policy", self.policy_engine), ("critic", self.critic_engine)):
+            path, _ = engine.load_checkpoint(str(directory / name), tag=state["tag"])
+            if path is None:
+                raise FileNotFoundError(
+                    f"no DeepSpeed checkpoint {state['tag']} in {directory / name}"
+                )
+        reference_version = state.get("reference_version")
+        if reference_version is not None:
+            from transformers import AutoModelForCausalLM
+
+            saved = AutoModelForCausalLM.from_pretrained(
+                directory / "hf_reference", dtype=self.reference_engine.module.dtype
+            )
+            self.reference_engine.module.load_state_dict(saved.state_dict())
+        self.reference_version = reference_version
+        self.global_step = int(state["global_step"])
+        self.policy_version = int(state["policy_version"])
+        self.nonfinite_steps_total = int(state["nonfinite_steps_total"])
+        self.set_algorithm(state["algorithm"])
