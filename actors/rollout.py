@@ -1,0 +1,462 @@
+"""The batched multi-turn rollout of the search agent (Search-R1 loop), Ray-free.
+
+Each turn, every live episode's token sequence (``prompt_ids + response_ids``) goes to the
+engine in ONE batched ``generate`` call; generation stops at ``</search>``, ``</answer>``,
+EOS or the token budget. Then all the turn's search queries go to the retrieval server in
+ONE ``/retrieve`` request, and each searching episode gets its ``<information>`` block
+appended as environment tokens. Up to ``max_turns`` policy turns.
+
+Token accounting (what makes turn-level importance ratios possible): the engine's input for
+an episode is always exactly ``prompt_ids + response_ids`` so far; generated tokens are
+appended with ``loss_mask = 1``, ``turn_ids = k`` (k-th policy turn) and their behaviour
+log-probs; environment tokens with ``loss_mask = 0``, ``turn_ids = -1``, log-prob 0.
+Every :class:`~actors.trajectory.Trajectory` is ``validate()``-d before it is returned.
+
+Episode ends (``finish_reason``):
+
+- ``answer``: the turn ended with ``</answer>``;
+- ``max_turns``: a search was requested in the last allowed turn;
+- ``max_tokens``: a turn hit its token budget (per turn or the response budget), or an
+  information block would not leave room for another turn;
+- ``eos``: the policy ended its message (EOS) with neither a search nor an answer;
+- ``retrieval_failed``: the ``/retrieve`` call failed after retries. The trajectory is
+  flagged ``retrieval_failed`` (the learner excludes it) and never given an empty result.
+
+Source: Jin et al., "Search-R1" (2025), ``search_r1/llm_agent/generation.py`` (``run_llm_loop``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from actors.config import RolloutConfig
+from actors.engines.protocol import STOP_STRINGS, GenerationEngine, GenerationResult, SamplingParams
+from actors.prompts import extract_search_query, information_ids, invalid_search_ids, prompt_ids
+from actors.retrieval_client import Passage, RetrievalClient, RetrievalFailed
+from actors.reward import compute_reward
+from actors.trajectory import Trajectory
+
+
+class Retriever(Protocol):
+    """What the loop needs from retrieval: :class:`actors.retrieval_client.RetrievalClient`
+    (HTTP, the real one) or any object with the same ``retrieve`` contract."""
+
+    def retrieve(self, queries: list[str]) -> list[list[Passage]]:
+        """Top-k passages per query; raises ``RetrievalFailed`` when it cannot answer."""
+        ...
+
+
+REQUIRED_RECORD_KEYS = ("id", "question", "golden_answers", "data_source")
+"""Keys every QA record given to :func:`run_rollout` must have."""
+
+
+@dataclass
+class RolloutStats:
+    """Counters of one :func:`run_rollout` call (summable across calls with :meth:`add`).
+
+    Attributes:
+        num_trajectories: Episodes finished.
+        num_generated_tokens: Tokens kept from the engine (policy tokens).
+        num_engine_calls: Batched ``generate`` calls.
+        num_searches: Queries sent to the retrieval server.
+        num_retrieval_failures: ``/retrieve`` calls that failed after retries.
+        num_retrieval_failed_trajectories: Episodes flagged ``retrieval_failed``.
+        generation_s: Wall seconds inside ``engine.generate``.
+        retrieval_s: Wall seconds inside ``/retrieve`` calls.
+        wall_s: Wall seconds of the whole rollout (tokenisation, parsing, reward included).
+    """
+
+    num_trajectories: int = 0
+    num_generated_tokens: int = 0
+    num_engine_calls: int = 0
+    num_searches: int = 0
+    num_retrieval_failures: int = 0
+    num_retrieval_failed_trajectories: int = 0
+    generation_s: float = 0.0
+    retrieval_s: float = 0.0
+    wall_s: float = 0.0
+
+    def add(self, other: RolloutStats) -> None:
+        """Accumulate another call's counters into this one."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def outside_generation_s(self) -> float:
+        """Wall seconds not spent in the engine (retrieval, tokenisation, bookkeeping)."""
+        return self.wall_s - self.generation_s
+
+
+@dataclass(eq=False)
+class _Episode:
+    """Mutable state of one episode while the loop runs."""
+
+    record: Mapping
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_texts: list[str] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    num_turns: int = 0
+    num_searches: int = 0
+    num_invalid_searches: int = 0
+    finish_reason: str | None = None
+    retrieval_error: str | None = None
+    generation_s: float = 0.0
+    retrieval_s: float = 0.0
+    pending_query: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def engine_input(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def append_policy(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
+        self.response_ids += token_ids
+        self.loss_mask += [1] * len(token_ids)
+        self.turn_ids += [self.num_turns] * len(token_ids)
+        self.logprobs += logprobs
+        self.versions.append(version)
+        self.num_turns += 1
+
+    def append_environment(self, token_ids: list[int]) -> None:
+        self.response_ids += token_ids
+        self.loss_mask += [0] * len(token_ids)
+        self.turn_ids += [-1] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+
+
+def check_record(record: Mapping) -> None:
+    """Raise ValueError naming the first missing key of a QA record."""
+    for key in REQUIRED_RECORD_KEYS:
+        if key not in record:
+            raise ValueError(
+                f"QA record {record.get('id')!r} lacks {key!r}; needs {REQUIRED_RECORD_KEYS}"
+            )
+
+
+def run_rollout(
+    engine: GenerationEngine,
+    tokenizer,
+    client: Retriever,
+    records: Sequence[Mapping],
+    group_ids: Sequence[str],
+    cfg: RolloutConfig,
+    temperature: float | None = None,
+) -> tuple[list[Trajectory], RolloutStats]:
+    """Roll out one episode per record, batched across episodes every turn.
+
+    Args:
+        engine: The policy (HF or vLLM engine).
+        tokenizer: The policy's tokenizer (chat template, encode/decode).
+        client: Retriever, normally the HTTP client (its failures mark trajectories ``retrieval_failed``).
+        records: QA records, one episode each (repeat a record for a GRPO group).
+        group_ids: Same length as ``records``; episodes of one question share an id.
+        cfg: Turn and token budgets, sampling settings.
+        temperature: Overrides ``cfg.temperature`` (0 = greedy evaluation).
+
+    Returns:
+        ``(trajectories, stats)``: validated trajectories in record order, and counters.
+
+    Raises:
+        ValueError: empty input, mismatched lengths, or a malformed record.
+    """
+    if not records:
+        raise ValueError("run_rollout needs at least one record")
+    if len(group_ids) != len(records):
+        raise ValueError(f"{len(group_ids)} group_ids for {len(records)} records")
+    start = time.perf_counter()
+    stats = RolloutStats()
+    episodes = [_new_episode(tokenizer, r, g) for r, g in zip(records, group_ids, strict=True)]
+    temp = cfg.temperature if temperature is None else temperature
+    for _ in range(cfg.max_turns):
+        live = [e for e in episodes if not e.done]
+        if not live:
+            break
+        _generate_turn(engine, tokenizer, live, cfg, temp, stats)
+        searching = [e for e in live if e.pending_query is not None]
+        if searching:
+            _retrieve_turn(client, tokenizer, searching, cfg, stats)
+    for e in episodes:
+        if not e.done:  # only reachable after an invalid search in the last turn
+            e.finish_reason = "max_turns"
+    trajectories = [_to_trajectory(tokenizer, e) for e in episodes]
+    stats.num_trajectories = len(trajectories)
+    stats.num_retrieval_failed_trajectories = sum(t.retrieval_failed for t in trajectories)
+    stats.wall_s = time.perf_counter() - start
+    return trajectories, stats
+
+
+def _new_episode(tokenizer, record: Mapping, group_id: str) -> _Episode:
+    check_record(record)
+    return _Episode(record=record, group_id=group_id, prompt_ids=prompt_ids(tokenizer, record))
+
+
+def _turn_budget(e: _Episode, cfg: RolloutConfig) -> int:
+    return min(cfg.max_new_tokens_per_turn, cfg.max_response_tokens - len(e.response_ids))
+
+
+def _generate_turn(
+    engine: GenerationEngine,
+    tokenizer,
+    live: list[_Episode],
+    cfg: RolloutConfig,
+    temperature: float,
+    stats: RolloutStats,
+) -> None:
+    """One batched engine call for all live episodes; apply each result."""
+    budgets = [_turn_budget(e, cfg) for e in live]
+    params = SamplingParams(
+        max_new_tokens=max(budgets), temperature=temperature, top_p=cfg.top_p, stop=STOP_STRINGS
+    )
+    t0 = time.perf_counter()
+    results = engine.generate([e.engine_input() for e in live], params)
+    elapsed = time.perf_counter() - t0
+    stats.generation_s += elapsed
+    stats.num_engine_calls += 1
+    if len(results) != len(live):
+        raise RuntimeError(f"engine returned {len(results)} results for {len(live)} prompts")
+    for e, result, budget in zip(live, results, budgets, strict=True):
+        e.generation_s += elapsed / len(live)
+        kept = _apply_generation(tokenizer, e, result, budget, cfg)
+        stats.num_generated_tokens += kept
+
+
+def _apply_generation(
+    tokenizer, e: _Episode, result: GenerationResult, budget: int, cfg: RolloutConfig
+) -> int:
+    """Append one turn's tokens (cut to this episode's budget) and decide what happens next.
+
+    Returns the number of tokens kept.
+    """
+    token_ids, logprobs, reason = result.token_ids, result.logprobs, result.finish_reason
+    stop = result.stop_string
+    if len(token_ids) > budget:  # the batch used a larger budget than this episode has
+        token_ids, logprobs, reason, stop = token_ids[:budget], logprobs[:budget], "length", None
+    e.append_policy(list(token_ids), list(logprobs), result.policy_version)
+    text = tokenizer.decode(token_ids, skip_special_tokens=False)
+    e.policy_texts.append(text)
+    if reason == "stop" and stop == "</answer>":
+        e.finish_reason = "answer"
+    elif reason == "stop" and stop == "</search>":
+        if e.num_turns >= cfg.max_turns:
+            e.finish_reason = "max_turns"
+        else:
+            e.pending_query = extract_search_query(text) or ""
+    elif reason == "eos":
+        e.finish_reason = "eos"
+    else:
+        e.finish_reason = "max_tokens"
+    return len(token_ids)
+
+
+def _retrieve_turn(
+    client: Retriever,
+    tokenizer,
+    searching: list[_Episode],
+    cfg: RolloutConfig,
+    stats: RolloutStats,
+) -> None:
+    """One ``/retrieve`` request for all of this turn's valid queries; append the blocks."""
+    valid = [e for e in searching if e.pending_query]
+    for e in searching:
+        if not e.pending_query:  # "<search></search>": Search-R1's invalid-action reply
+            e.num_invalid_searches += 1
+            _append_environment(e, invalid_search_ids(tokenizer), cfg)
+    if not valid:
+        return
+    queries = [e.pending_query for e in valid]
+    t0 = time.perf_counter()
+    try:
+        passages = client.retrieve(queries)
+        error = None
+    except RetrievalFailed as err:
+        passages, error = None, f"{err.reason}: {err}"
+        stats.num_retrieval_failures += 1
+    elapsed = time.perf_counter() - t0
+    stats.retrieval_s += elapsed
+    stats.num_searches += len(valid)
+    for i, e in enumerate(valid):
+        e.pending_query = None
+        e.num_searches += 1
+        e.retrieval_s += elapsed / len(valid)
+        if passages is None:
+            e.retrieval_error = error
+            e.finish_reason = "retrieval_failed"
+        else:
+            block = information_ids(tokenizer, passages[i], cfg.max_information_tokens)
+            _append_environment(e, block, cfg)
+
+
+def _append_environment(e: _Episode, block: list[int], cfg: RolloutConfig) -> None:
+    """Append an environment block if it leaves room for at least one more policy token."""
+    e.pending_query = None
+    if len(e.response_ids) + len(block) >= cfg.max_response_tokens:
+        e.finish_reason = "max_tokens"
+        return
+    e.append_environment(block)
+
+
+def _to_trajectory(tokenizer, e: _Episode) -> Trajectory:
+    record = e.record
+    failed = e.finish_reason == "retrieval_failed"
+    reward = compute_reward("\n".join(e.policy_texts), record)
+    return Trajectory(
+        prompt_ids=np.asarray(e.prompt_ids, dtype=np.int64),
+        response_ids=np.asarray(e.response_ids, dtype=np.int64),
+        loss_mask=np.asarray(e.loss_mask, dtype=np.int8),
+        turn_ids=np.asarray(e.turn_ids, dtype=np.int32),
+        behavior_logprobs=np.asarray(e.logprobs, dtype=np.float32),
+        reward=0.0 if failed else reward.reward,
+        success=False if failed else reward.success,
+        num_searches=e.num_searches,
+        num_turns=e.num_turns,
+        policy_version_min=min(e.versions),
+        policy_version_max=max(e.versions),
+        group_id=e.group_id,
+        question_id=str(record["id"]),
+        data_source=str(record["data_source"]),
+        finish_reason=str(e.finish_reason),
+        malformed_reason=None if failed else reward.malformed_reason,
+        retrieval_failed=failed,
+        generation_s=e.generation_s,
+        retrieval_s=e.retrieval_s,
+        answer=None if failed else reward.answer,
+        extra={
+            "num_invalid_searches": e.num_invalid_searches,
+            "retrieval_error": e.retrieval_error,
+        },
+    ).validate()
+
+
+def build_engine(model_path: str, cfg: RolloutConfig, seed: int) -> GenerationEngine:
+    """The engine ``cfg.engine`` names (``hf`` or ``vllm``), loaded from ``model_path``.
+
+    Raises:
+        ImportError: ``vllm`` requested but not installed.
+    """
+    if cfg.engine == "hf":
+        import torch
+
+        from actors.engines.hf import HFEngine
+
+        dtype = torch.float32 if cfg.dtype == "fp32" else torch.bfloat16
+        return HFEngine(model_path, seed=seed, dtype=dtype)
+    from actors.engines.vllm import VLLMEngine
+
+    return VLLMEngine(
+        model_path,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        dtype="float32" if cfg.dtype == "fp32" else "bfloat16",
+        max_model_len=cfg.max_response_tokens + 2048,
+        seed=seed,
+    )
+
+
+class RolloutWorker:
+    """One rollout actor's state: engine, tokenizer, retrieval client; Ray-free.
+
+    The service layer wraps it with ``ray.remote(RolloutWorker)``; every public method is a
+    plain call with picklable arguments and results.
+
+    Args:
+        model_path: HF model folder of the initial policy (``policy_version`` 0).
+        rollout_cfg: Engine choice, group size, turn/token budgets, sampling, client config.
+        retrieval_url: Base URL of the retrieval server.
+        seed: Engine sampling seed (distinct per actor).
+        engine: An already-built engine to use instead of building one (tests, benchmarks).
+
+    Example:
+        >>> worker = RolloutWorker("data/model/smollm2-135m-instruct", RolloutConfig(), url, 0)
+        >>> trajectories = worker.rollout(records)  # len(records) * group_size
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        rollout_cfg: RolloutConfig,
+        retrieval_url: str,
+        seed: int = 0,
+        engine: GenerationEngine | None = None,
+    ) -> None:
+        self.cfg = rollout_cfg
+        self.seed = seed
+        self.engine = engine if engine is not None else build_engine(model_path, rollout_cfg, seed)
+        self.tokenizer = self.engine.tokenizer
+        self.client = RetrievalClient(retrieval_url, rollout_cfg.retrieval)
+        self.temperature = rollout_cfg.temperature
+        self.total_stats = RolloutStats()
+        self.last_stats = RolloutStats()
+        self._batches = itertools.count()
+
+    def rollout(self, records: list[dict], greedy: bool = False) -> list[Trajectory]:
+        """Generate ``group_size`` episodes per record (1 per record when ``greedy``).
+
+        Args:
+            records: QA records (``id``, ``question``, ``golden_answers``, ``data_source``).
+            greedy: Evaluation mode: temperature 0, one episode per record.
+
+        Returns:
+            Validated trajectories, grouped by record (``group_id`` shared within a group).
+
+        Raises:
+            ValueError: empty ``records`` or a record missing a required key.
+        """
+        if not records:
+            raise ValueError("rollout() needs at least one record")
+        batch = next(self._batches)
+        group_size = 1 if greedy else self.cfg.group_size
+        expanded = [r for r in records for _ in range(group_size)]
+        group_ids = [
+            f"s{self.seed}-b{batch}-q{i}" for i in range(len(records)) for _ in range(group_size)
+        ]
+        trajectories, stats = run_rollout(
+            self.engine,
+            self.tokenizer,
+            self.client,
+            expanded,
+            group_ids,
+            self.cfg,
+            temperature=0.0 if greedy else self.temperature,
+        )
+        self.last_stats = stats
+        self.total_stats.add(stats)
+        return trajectories
+
+    def load_weights(self, state_dict: dict, policy_version: int) -> int:
+        """Load new policy weights in place (see the engine); returns the new version."""
+        self.engine.load_weights(state_dict, policy_version)
+        return self.engine.policy_version
+
+    def get_policy_version(self) -> int:
+        """The engine's current ``policy_version`` (a method: Ray actors expose no properties)."""
+        return self.engine.policy_version
+
+    def set_temperature(self, temperature: float) -> None:
+        """Change the sampling temperature of later rollouts (live config change).
+
+        Raises:
+            ValueError: a negative temperature.
+        """
+        if temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.temperature = temperature
+
+    def stats(self) -> dict[str, RolloutStats]:
+        """``{"last": stats of the last rollout, "total": since start}`` (plus the client's)."""
+        return {"last": self.last_stats, "total": self.total_stats, "retrieval": self.client.stats}
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self.client.close()

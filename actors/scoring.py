@@ -1,0 +1,226 @@
+"""Answer scoring for rewards and evaluation (Search-R1 conventions).
+
+- Free-text answers (``single_hop``, ``multi_hop``): exact match after SQuAD/Search-R1
+  normalisation (NFKD-fold diacritics, lower case, drop punctuation and the articles
+  a/an/the, collapse whitespace) against ANY of the golden aliases. Source: the SQuAD v1.1
+  evaluation script ``normalize_answer``, as reused by Search-R1 ``qa_em.py``; NFKD folding
+  added so "Bogotá" == "Bogota".
+- Multiple choice (``medical_mc``): the option letter is extracted from the answer text
+  ("B", "(B)", "B. text", "The answer is B", "b)", or the text of one option) and compared
+  with the golden letter.
+
+Example::
+
+    >>> exact_match("The Eiffel  Tower!", ["Eiffel Tower"])
+    True
+    >>> extract_option_letter("The answer is (c).")
+    'C'
+"""
+
+from __future__ import annotations
+
+import re
+import string
+import unicodedata
+from collections.abc import Mapping, Sequence
+
+DATA_SOURCES_EXACT_MATCH = ("single_hop", "multi_hop")
+DATA_SOURCES_MULTIPLE_CHOICE = ("medical_mc",)
+OPTION_LETTERS = ("A", "B", "C", "D")
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+# Unicode punctuation too (e.g. "–", "’", "«"), not just string.punctuation.
+_PUNCT = set(string.punctuation)
+_L = "A-Da-d"
+# The whole answer is one letter, optionally bracketed/punctuated: "B", "(b)", "[C].", "D)".
+_ONLY_LETTER = re.compile(rf"^\W*([{_L}])\W*$")
+# Leading letter with a delimiter, then the option text: "B. Marfan", "(c) Marfan", "d: x".
+_LEADING_LETTER = re.compile(rf"^\s*(?:\(([{_L}])\)|\[([{_L}])\]|([{_L}])\s*[.):])(?:\s|$)")
+# "The answer is B", "answer: (b)", "Option C", "correct choice is d."
+# Upper-case letter: a word boundary suffices. Lower-case letter: must be bracketed or
+# followed by punctuation/end, so "the answer is a disease" does not read as option A.
+_PHRASE = r"(?:answer|option|choice)\s*(?:is|:|=|-)?\s*(?:option\s+|choice\s+)?"
+_PHRASE_UPPER = re.compile(rf"(?i:{_PHRASE})\(?([A-D])\b")
+_PHRASE_ANY = re.compile(rf"(?i:{_PHRASE})(?:\(([{_L}])\)|([{_L}])(?=\s*[.)!,;:]|\s*$))")
+
+
+def normalize_answer(s: str) -> str:
+    """Normalise an answer for exact match.
+
+    Steps: NFKD decomposition dropping combining marks (diacritics), lower case, remove
+    punctuation (ASCII and Unicode category P*), remove the articles a/an/the, collapse
+    whitespace.
+
+    Args:
+        s: answer text.
+
+    Returns:
+        The normalised string (may be empty if ``s`` was only punctuation/articles).
+
+    Raises:
+        TypeError: ``s`` is not a ``str``.
+
+    Example::
+
+        >>> normalize_answer("  The Río-Grande!")
+        'riogrande'
+    """
+    if not isinstance(s, str):
+        raise TypeError(f"normalize_answer expects str, got {type(s).__name__}")
+    folded = "".join(
+        c for c in unicodedata.normalize("NFKD", s) if not unicodedata.combining(c)
+    ).lower()
+    no_punct = "".join(
+        c for c in folded if c not in _PUNCT and not unicodedata.category(c).startswith("P")
+    )
+    return " ".join(_ARTICLES.sub(" ", no_punct).split())
+
+
+def _check_golden(golden_answers: Sequence[str]) -> None:
+    if isinstance(golden_answers, str):
+        raise TypeError(
+            f"golden_answers must be a list of strings, got the string {golden_answers!r}"
+        )
+    if len(golden_answers) == 0:
+        raise ValueError("golden_answers is empty: nothing to match against")
+
+
+def exact_match(prediction: str | None, golden_answers: Sequence[str]) -> bool:
+    """True when the normalised prediction equals the normalised form of any alias.
+
+    Args:
+        prediction: the model's answer text (content of ``<answer>``); ``None`` (no answer)
+            scores False.
+        golden_answers: accepted aliases (non-empty list of strings).
+
+    Raises:
+        TypeError: ``golden_answers`` is a bare string (a common bug: it would match chars).
+        ValueError: ``golden_answers`` is empty.
+
+    Example::
+
+        >>> exact_match("paris", ["Paris", "Paris, France"])
+        True
+    """
+    _check_golden(golden_answers)
+    if prediction is None:
+        return False
+    pred = normalize_answer(prediction)
+    if not pred:
+        return False
+    return any(pred == normalize_answer(g) for g in golden_answers)
+
+
+def _first_group(match: re.Match[str] | None) -> str | None:
+    if match is None:
+        return None
+    return next(g for g in match.groups() if g is not None).upper()
+
+
+def _normalized_options(options: Mapping[str, str]) -> dict[str, str]:
+    return {letter.strip().upper(): normalize_answer(opt) for letter, opt in options.items()}
+
+
+def _letter_equal_option_text(text: str, options: Mapping[str, str]) -> str | None:
+    """The single letter whose normalised option text equals the normalised answer."""
+    pred = normalize_answer(text)
+    equal = [k for k, opt in _normalized_options(options).items() if pred and opt == pred]
+    return equal[0] if len(equal) == 1 else None
+
+
+def _letter_containing_option_text(text: str, options: Mapping[str, str]) -> str | None:
+    """The letter of the only option whose normalised text occurs (as whole words) in the
+    answer; ``None`` when zero or several do."""
+    pred = f" {normalize_answer(text)} "
+    found = [k for k, opt in _normalized_options(options).items() if opt and f" {opt} " in pred]
+    return found[0] if len(found) == 1 else None
+
+
+def extract_option_letter(text: str | None, options: Mapping[str, str] | None = None) -> str | None:
+    """Extract the chosen option letter (A-D) from an answer.
+
+    Accepted forms, in order of precedence: the bare letter ("B", "(b)", "C."); a leading
+    letter with a delimiter ("B. Marfan syndrome", "(c) ...", "d) ..."); a phrase ("The
+    answer is B", "answer: (b)", "option C"); the text of exactly one option (needs
+    ``options``). A lower-case letter is only read when bracketed or punctuated, so "the
+    answer is a rare disease" does not become option A.
+
+    Args:
+        text: answer text; ``None`` gives ``None``.
+        options: letter -> option text, to recognise an answer given as the option text.
+
+    Returns:
+        An upper-case letter in ``OPTION_LETTERS``, or ``None`` when no unambiguous choice
+        is found.
+
+    Example::
+
+        >>> extract_option_letter("The answer is B because ...")
+        'B'
+        >>> extract_option_letter("marfan syndrome", {"A": "Down syndrome", "B": "Marfan syndrome"})
+        'B'
+    """
+    if text is None:
+        return None
+    letter = _first_group(_ONLY_LETTER.match(text))
+    if letter is None and options:
+        # Before the letter patterns: an option text such as "C. difficile infection"
+        # starts like "C." but is option text, not the letter C.
+        letter = _letter_equal_option_text(text, options)
+    if letter is None:
+        letter = _first_group(_LEADING_LETTER.match(text))
+    if letter is None:
+        letter = _first_group(_PHRASE_UPPER.search(text)) or _first_group(_PHRASE_ANY.search(text))
+    if letter is None and options:
+        letter = _letter_containing_option_text(text, options)
+    return letter
+
+
+def option_letter_match(
+    prediction: str | None,
+    golden_answers: Sequence[str],
+    options: Mapping[str, str] | None = None,
+) -> bool:
+    """True when the option letter extracted from ``prediction`` is a golden letter.
+
+    Args:
+        prediction: the model's answer text; ``None`` scores False.
+        golden_answers: golden letters, e.g. ``["B"]`` (case-insensitive).
+        options: letter -> option text (lets an answer given as option text score).
+
+    Raises:
+        TypeError / ValueError: as :func:`exact_match` for bad ``golden_answers``.
+    """
+    _check_golden(golden_answers)
+    letter = extract_option_letter(prediction, options)
+    return letter is not None and letter in {g.strip().upper() for g in golden_answers}
+
+
+def score_answer(prediction: str | None, record: Mapping) -> bool:
+    """Score an answer against a QA record, choosing the rule by ``record["data_source"]``.
+
+    Args:
+        prediction: the model's final answer (content of ``<answer>``), or ``None``.
+        record: a QA record ``{"golden_answers": [...], "data_source": ..., "metadata":
+            {...}}``; for ``medical_mc`` ``metadata["options"]`` is used when present.
+
+    Returns:
+        True when correct: exact match (single_hop, multi_hop) or option letter match
+        (medical_mc).
+
+    Raises:
+        ValueError: unknown ``data_source`` or missing ``golden_answers`` (names the key).
+    """
+    source = record.get("data_source")
+    if "golden_answers" not in record:
+        raise ValueError(f"QA record {record.get('id')!r} has no 'golden_answers'")
+    golden = record["golden_answers"]
+    if source in DATA_SOURCES_EXACT_MATCH:
+        return exact_match(prediction, golden)
+    if source in DATA_SOURCES_MULTIPLE_CHOICE:
+        options = (record.get("metadata") or {}).get("options")
+        return option_letter_match(prediction, golden, options)
+    raise ValueError(
+        f"QA record {record.get('id')!r} has unknown data_source {source!r}; expected one of "
+        f"{DATA_SOURCES_EXACT_MATCH + DATA_SOURCES_MULTIPLE_CHOICE}"
+    )

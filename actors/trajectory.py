@@ -1,0 +1,145 @@
+"""The wire contract between rollout actors and the learner.
+
+A :class:`Trajectory` is one multi-turn episode of the search agent: the chat-formatted
+prompt, then a response made of policy turns interleaved with environment
+(``<information>``) blocks. All per-token arrays are aligned with ``response_ids``
+(length R); the prompt carries no per-token fields because nothing in it is trained on.
+
+Token layout (R = len(response_ids)):
+
+    prompt_ids                 response_ids
+    [system+user chat prompt]  [turn 0 tokens][<information>...</information>][turn 1 tokens]...
+    loss_mask                  [1 1 1 ... 1  ][0 0 0 ... 0                    ][1 1 ... 1    ]
+    turn_ids                   [0 0 0 ... 0  ][-1 -1 ... -1                   ][1 1 ... 1    ]
+    behavior_logprobs          [lp lp ... lp ][0 0 0 ... 0                    ][lp ... lp    ]
+
+Invariants (checked by :meth:`Trajectory.validate`):
+- ``loss_mask[t] == 1`` exactly where ``turn_ids[t] >= 0`` (policy-generated tokens);
+- turn ids are non-decreasing over policy tokens and each turn is one contiguous run;
+- ``behavior_logprobs`` is 0.0 wherever ``loss_mask == 0``;
+- ``policy_version_min <= policy_version_max``.
+
+Arrays are numpy (cheap to pickle through the Ray object store, no torch needed to build one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Trajectory:
+    """One rollout of the multi-turn search agent.
+
+    Attributes:
+        prompt_ids: int64 [P]. Chat-formatted prompt tokens (system + user question).
+        response_ids: int64 [R]. Everything after the prompt: policy turns and
+            environment blocks, in the order the engine saw them.
+        loss_mask: int8 [R]. 1 on policy-generated tokens, 0 on environment tokens.
+        turn_ids: int32 [R]. Policy turn index (0, 1, ...) per token, -1 on environment tokens.
+        behavior_logprobs: float32 [R]. Log-prob of each sampled token under the behaviour
+            policy (the engine's weights at generation time), natural log; 0 where masked out.
+        reward: Scalar reward of the episode (exact match / option letter; 0 if malformed).
+        success: Whether the final answer was correct.
+        num_searches: ``<search>`` calls made.
+        num_turns: Policy turns generated.
+        policy_version_min: Oldest weight version that generated any token of this trajectory.
+        policy_version_max: Newest such version (differs from min only if weights changed
+            between turns of this episode).
+        group_id: Identifies samples of the same question in the same batch (GRPO groups).
+        question_id: Stable id of the question (``<data_source>/<split>/<index>``).
+        data_source: QA set the question comes from (``single_hop``, ``multi_hop``, ``medical_mc``).
+        finish_reason: ``answer`` | ``eos`` (the policy ended its message without searching or
+            answering) | ``max_turns`` | ``max_tokens`` | ``retrieval_failed``.
+        malformed_reason: Why the output was malformed (``no_answer``, ``empty_answer``,
+            ``bad_tag`` ...), or None when well-formed.
+        retrieval_failed: A search still failed after all retries; such trajectories are
+            excluded from training and counted.
+        generation_s: Wall seconds spent inside the engine for this trajectory's batch share.
+        retrieval_s: Wall seconds spent waiting for the retrieval server.
+        answer: The extracted ``<answer>`` text (None if absent).
+        extra: Free-form diagnostics: ``num_invalid_searches`` (empty ``<search></search>``)
+            and ``retrieval_error`` (``"<reason>: <message>"`` when a search failed).
+    """
+
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    loss_mask: np.ndarray
+    turn_ids: np.ndarray
+    behavior_logprobs: np.ndarray
+    reward: float
+    success: bool
+    num_searches: int
+    num_turns: int
+    policy_version_min: int
+    policy_version_max: int
+    group_id: str
+    question_id: str
+    data_source: str
+    finish_reason: str
+    malformed_reason: str | None = None
+    retrieval_failed: bool = False
+    generation_s: float = 0.0
+    retrieval_s: float = 0.0
+    answer: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_response_tokens(self) -> int:
+        """R, the response length in tokens (policy + environment)."""
+        return int(self.response_ids.shape[0])
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """Tokens the loss trains on (sum of ``loss_mask``)."""
+        return int(self.loss_mask.sum())
+
+    def staleness(self, learner_version: int) -> int:
+        """``learner_version - policy_version_min``: how many updates old the oldest token is."""
+        return learner_version - self.policy_version_min
+
+    def validate(self) -> Trajectory:
+        """Check the token-accounting invariants of the module docstring.
+
+        Returns:
+            self, so ``Trajectory(...).validate()`` chains.
+
+        Raises:
+            ValueError: naming the violated invariant.
+        """
+        r = self.response_ids.shape[0]
+        for name in ("loss_mask", "turn_ids", "behavior_logprobs"):
+            arr = getattr(self, name)
+            if arr.ndim != 1 or arr.shape[0] != r:
+                raise ValueError(f"{name} has shape {arr.shape}, expected ({r},) like response_ids")
+        if self.prompt_ids.ndim != 1 or self.prompt_ids.shape[0] == 0:
+            raise ValueError("prompt_ids must be a non-empty 1-D array")
+        policy = self.turn_ids >= 0
+        if not np.array_equal(policy, self.loss_mask.astype(bool)):
+            raise ValueError("loss_mask must be 1 exactly where turn_ids >= 0")
+        if np.any(self.behavior_logprobs[~policy] != 0.0):
+            raise ValueError("behavior_logprobs must be 0 on environment tokens")
+        if np.any(self.behavior_logprobs[policy] > 0.0):
+            raise ValueError("behavior_logprobs must be <= 0 (natural-log probabilities)")
+        tids = self.turn_ids[policy]
+        if tids.size:
+            if tids[0] != 0 or np.any(np.diff(tids) < 0) or np.any(np.diff(tids) > 1):
+                raise ValueError("turn ids must start at 0 and increase by at most 1")
+            # each turn one contiguous run: number of runs of policy tokens == number of turns
+            starts = np.flatnonzero(np.diff(np.concatenate([[0], policy.astype(np.int8)])) == 1)
+            if starts.size != int(tids[-1]) + 1:
+                raise ValueError("each turn must be one contiguous run of policy tokens")
+        if self.policy_version_min > self.policy_version_max:
+            raise ValueError("policy_version_min must be <= policy_version_max")
+        return self
+
+    def to_dict(self) -> dict:
+        """Plain-dict form (arrays as lists) for JSONL logs and tests."""
+        out = dataclasses.asdict(self)
+        for k, v in out.items():
+            if isinstance(v, np.ndarray):
+                out[k] = v.tolist()
+        return out
