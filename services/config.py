@@ -1,0 +1,355 @@
+"""The run configuration: one typed tree, loaded from TOML with dotted overrides.
+
+``RunConfig`` composes the sections that live next to the code they configure
+(``learner.config``, ``actors.config``, ``retrieval_server.config``) with the process-layer
+sections defined here. Loading never imports torch or ray.
+
+Example::
+
+    cfg = load_config("deploy/configs/cpu_demo.toml", ["learner.actor_lr=1e-5", "algorithm.variant=ppo"])
+
+Errors: :class:`ConfigError` with one line per problem, each naming the dotted field
+(``learner.actor_lr: Input should be greater than 0``).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from actors.config import RolloutConfig
+from learner.config import (
+    VARIANT_CONFIGS,
+    AlgorithmConfig,
+    LearnerConfig,
+    SFTConfig,
+    STPPOConfig,
+    StrictModel,
+)
+from retrieval_server.config import RetrievalServerConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names every offending field."""
+
+
+class RunSection(StrictModel):
+    """Identity and length of the run."""
+
+    name: str = Field("stppo", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    """Run name; outputs go to ``<output_dir>/<name>``."""
+
+    output_dir: Path = Path("runs")
+    """Parent folder of run directories (JSONL logs, checkpoints, plots)."""
+
+    seed: int = Field(0, ge=0)
+    """Seed for data order, sampling and initialisation."""
+
+    num_steps: int = Field(20, ge=0, le=10_000_000)
+    """Learner steps to run (0 = warm start and evaluation only)."""
+
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on the validation split every this many steps (0 = only at start and end)."""
+
+    eval_questions: int = Field(64, ge=0, le=1_000_000)
+    """Validation questions per evaluation (0 disables evaluation)."""
+
+
+class ModelSection(StrictModel):
+    """The policy model every component starts from."""
+
+    path: Path = Path("data/model/smollm2-135m-instruct")
+    """Folder with safetensors weights, config and tokenizer (built by ``stppo prepare``)."""
+
+
+class DataSection(StrictModel):
+    """The QA sets questions are drawn from."""
+
+    qa_dir: Path = Path("data/qa")
+    """Folder with ``<dataset>/{train,validation,test}.jsonl`` in Search-R1 format."""
+
+    datasets: list[Literal["single_hop", "multi_hop", "medical_mc"]] = Field(
+        default_factory=lambda: ["single_hop", "multi_hop", "medical_mc"], min_length=1
+    )
+    """QA sets mixed into training (uniformly by set)."""
+
+
+class RetrievalSection(StrictModel):
+    """Where the retrieval server is."""
+
+    url: str | None = None
+    """Base URL of an external server; None starts a managed local server from ``server``."""
+
+    server: RetrievalServerConfig = RetrievalServerConfig()
+    """Settings of the managed server."""
+
+
+class BufferConfig(StrictModel):
+    """The staleness-tagged trajectory buffer between actors and learner."""
+
+    max_staleness: int = Field(1, ge=0, le=1_000_000)
+    """Largest ``learner_version - policy_version`` accepted at consume time; 0 = on-policy
+    (synchronous). Live-tunable."""
+
+    stale_policy: Literal["drop", "keep"] = "drop"
+    """What to do with a trajectory over the bound: drop and count it, or keep it and record
+    its staleness."""
+
+    capacity: int = Field(64, ge=1, le=10_000_000)
+    """Maximum trajectories held; producers block (backpressure) when full."""
+
+
+class SyncConfig(StrictModel):
+    """Weight synchronisation learner -> engines."""
+
+    every_k_steps: int = Field(1, ge=1)
+    """Push new weights after every k learner steps."""
+
+    transport: Literal["object_store", "nccl"] = "object_store"
+    """In-memory transport: Ray object store (CPU) or NCCL broadcast (GPU)."""
+
+
+class ControlConfig(StrictModel):
+    """The control plane (FastAPI): status and live config changes."""
+
+    enabled: bool = True
+    """Serve the control plane during training."""
+
+    host: str = "127.0.0.1"
+    """Bind address."""
+
+    port: int = Field(8365, ge=0, le=65535)
+    """Bind port (0 = pick a free one)."""
+
+    token: str | None = Field(None, min_length=16)
+    """Bearer token; None generates one per run and prints it at start."""
+
+
+class MetricsConfig(StrictModel):
+    """Prometheus export."""
+
+    enabled: bool = True
+    """Serve ``/metrics``."""
+
+    host: str = "127.0.0.1"
+    """Bind address of the metrics endpoint."""
+
+    port: int = Field(9464, ge=0, le=65535)
+    """Port of the metrics endpoint (0 = pick a free one)."""
+
+
+class CheckpointConfig(StrictModel):
+    """Checkpoints (also written on SIGTERM)."""
+
+    every_k_steps: int = Field(10, ge=0)
+    """Checkpoint every k learner steps (0 = only at the end and on SIGTERM)."""
+
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept on disk."""
+
+
+class RayConfig(StrictModel):
+    """The Ray cluster and the resources of each actor."""
+
+    address: str | None = None
+    """Existing cluster to join (``auto`` on KubeRay); None starts a local one."""
+
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the local cluster (None = all)."""
+
+    rollout_actor_cpus: float = Field(1.0, gt=0.0)
+    """CPUs reserved per rollout actor."""
+
+    rollout_actor_gpus: float = Field(0.0, ge=0.0)
+    """GPUs reserved per rollout actor."""
+
+    learner_cpus: float = Field(1.0, gt=0.0)
+    """CPUs reserved for the learner actor."""
+
+    learner_gpus: float = Field(0.0, ge=0.0)
+    """GPUs reserved for the learner actor."""
+
+    max_actor_restarts: int = Field(3, ge=0)
+    """Restarts of a crashed rollout actor before the run fails."""
+
+
+class RunConfig(StrictModel):
+    """The whole run: every section of the actor-learner service."""
+
+    run: RunSection = RunSection()
+    """Identity and length of the run."""
+
+    model: ModelSection = ModelSection()
+    """The policy model."""
+
+    data: DataSection = DataSection()
+    """QA sets."""
+
+    retrieval: RetrievalSection = RetrievalSection()
+    """The retrieval server."""
+
+    rollout: RolloutConfig = RolloutConfig()
+    """Rollout actors."""
+
+    algorithm: AlgorithmConfig = Field(default_factory=STPPOConfig)
+    """The ST-PPO family variant and its options."""
+
+    learner: LearnerConfig = LearnerConfig()
+    """The DeepSpeed learner."""
+
+    sft: SFTConfig = SFTConfig()
+    """Warm-start SFT."""
+
+    buffer: BufferConfig = BufferConfig()
+    """Staleness-tagged buffer."""
+
+    sync: SyncConfig = SyncConfig()
+    """Weight sync."""
+
+    control: ControlConfig = ControlConfig()
+    """Control plane."""
+
+    metrics: MetricsConfig = MetricsConfig()
+    """Prometheus export."""
+
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpointing."""
+
+    ray: RayConfig = RayConfig()
+    """Ray cluster and resources."""
+
+    @model_validator(mode="after")
+    def _check_group_size_for_grpo(self) -> RunConfig:
+        if self.algorithm.variant in ("grpo", "so_grpo") and self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size must be >= 2 for {self.algorithm.variant} "
+                f"(group-relative advantages), got {self.rollout.group_size}"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        """``<run.output_dir>/<run.name>``."""
+        return self.run.output_dir / self.run.name
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"{source}: {loc}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def _parse_override_value(raw: str) -> Any:
+    """Parse the right-hand side of ``key=value`` as TOML, falling back to a bare string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted ``a.b.c=value`` overrides to a nested dict (values parsed as TOML).
+
+    Raises:
+        ConfigError: an override is not of the form ``key=value``, or walks through a
+            non-table value.
+    """
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {p} is not a section")
+            node = nxt
+        node[parts[-1]] = _parse_override_value(raw.strip())
+    return data
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file; raise :class:`ConfigError` naming the file on a missing file or syntax error."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path}: config file not found") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from e
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a :class:`RunConfig` from an optional TOML file plus dotted overrides.
+
+    Args:
+        path: TOML file (a leading ``@`` is accepted, as on the command line); None = defaults.
+        overrides: ``dotted.key=value`` strings applied after the file, in order.
+
+    Raises:
+        ConfigError: unknown key, wrong type or out-of-bound value, naming each field.
+    """
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        path = Path(str(path).removeprefix("@"))
+        data = read_toml(path)
+        source = str(path)
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+        source = f"{source} + overrides" if path is not None else "overrides"
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+def update_config(cfg: RunConfig, changes: dict[str, Any]) -> RunConfig:
+    """Return a new validated config with nested ``changes`` merged in (nothing applied on error).
+
+    Used by the control plane for live changes: the whole tree is re-validated, so a change
+    is applied entirely or not at all.
+
+    Raises:
+        ConfigError: as :func:`load_config`.
+    """
+    data = json.loads(cfg.model_dump_json())
+
+    def merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+        for k, v in src.items():
+            if isinstance(v, dict) and isinstance(dst.get(k), dict):
+                merge(dst[k], v)
+            else:
+                dst[k] = v
+
+    if "algorithm" in changes and "variant" in changes["algorithm"]:
+        # a new variant has its own field set: keep only the fields it shares with the old one
+        new_variant = changes["algorithm"]["variant"]
+        data["algorithm"] = {
+            "variant": new_variant,
+            **{k: v for k, v in data["algorithm"].items() if k != "variant"},
+        }
+        data["algorithm"] = _fields_valid_for_variant(data["algorithm"])
+    merge(data, changes)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, "change")) from None
+
+
+def _fields_valid_for_variant(algo: dict[str, Any]) -> dict[str, Any]:
+    cls = VARIANT_CONFIGS.get(algo["variant"])
+    if cls is None:
+        return algo  # validation names the bad variant
+    return {k: v for k, v in algo.items() if k in cls.model_fields}

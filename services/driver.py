@@ -1,0 +1,748 @@
+"""The asynchronous actor-learner loop: ``ray.wait`` -> buffer -> learner step -> weight sync.
+
+One driver process orchestrates N rollout actors, one learner actor and one buffer actor:
+
+1. Rollout actors generate trajectories with the weights they last loaded (stamped with
+   that ``policy_version``). A new rollout is admitted only when the buffer has room and its
+   output could still be within ``buffer.max_staleness`` when consumed
+   (:func:`learner.buffer.may_start_rollout`); so actors never run unboundedly ahead, and
+   ``max_staleness = 0`` is synchronous PPO through the same loop.
+2. Finished rollouts go into the buffer actor; when ``learner.train_batch_size`` fresh
+   trajectories are ready and the learner is idle, the driver takes them (stale ones are
+   dropped and counted at that moment) and starts a learner step.
+3. After every ``sync.every_k_steps`` steps the learner's new weights go to every engine,
+   in memory, queued behind their current generation batch.
+4. Live config changes from the control plane are applied between learner steps.
+
+Trajectories held in the buffer or in flight when a checkpoint is written are not saved:
+on ``--resume`` they are regenerated from the next questions of the sampler (whose position
+is checkpointed). Nothing is trained on twice: a trajectory is only ever consumed once, and
+the sampler never re-issues a question drawn before the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.config import RunConfig
+from services.control import ControlState, changed_fields
+from services.env import ray_temp_dir
+
+log = logging.getLogger("stppo.driver")
+
+
+@dataclass
+class RolloutSlot:
+    """Driver-side bookkeeping of one rollout actor."""
+
+    handle: Any
+    index: int
+    engine_version: int = -1  # last version pushed (loads are applied in call order)
+    in_flight: Any = None  # ObjectRef of the running rollout, or None
+    submitted_version: int = -1  # engine_version when the running rollout was submitted
+    started_s: float = 0.0
+
+
+@dataclass
+class DriverState:
+    """What a checkpoint stores besides the learner's own state."""
+
+    learner_step: int = 0
+    policy_version: int = 0
+    questions_drawn: int = 0
+    trajectories_generated: int = 0
+    trajectories_consumed: int = 0
+    actor_restarts: int = 0
+    warm_started: bool = False
+
+
+class Driver:
+    """Runs one training job end to end (see module docstring).
+
+    Args:
+        cfg: the validated run config.
+        resume: continue from the latest checkpoint in ``cfg.run_dir``.
+        max_train_s: wall-clock cap on the training loop in seconds (0 = none), counted from
+            the loop's start (after startup, warm start and the ``start`` evaluation); when it
+            expires no new learner step starts, the one in progress finishes, and the run
+            checkpoints and evaluates as usual (as after SIGTERM).
+    """
+
+    def __init__(self, cfg: RunConfig, resume: bool = False, max_train_s: float = 0.0) -> None:
+        self.cfg = cfg
+        self.resume = resume
+        self.max_train_s = max_train_s
+        self.run_dir = cfg.run_dir
+        self.state = DriverState()
+        self.control = ControlState(config=cfg)
+        self.slots: list[RolloutSlot] = []
+        self.stop_requested = threading.Event()
+        self._step_ref: Any = None
+        self._step_started_s = 0.0
+        self._step_take: Any = None
+        self._sync: Any = None
+        self._pending_acks: dict[Any, tuple[float, float]] = {}
+        self._rollout_tokens = 0
+        self._rollout_trajs = 0
+        self._rollout_durations_s: list[float] = []
+        self._window_start_s = time.perf_counter()
+        self._run_started_s = time.perf_counter()
+        self._closers: list[Any] = []
+        self._last_checkpoint_step = -1
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> DriverState:
+        """Start everything, warm-start, evaluate, train, evaluate, checkpoint, shut down."""
+        try:
+            self._prepare_run_dir()
+            self._start_retrieval()
+            self._start_ray()
+            self._start_observability()
+            self._create_actors()
+            if self.resume:
+                self._restore()
+            elif self.cfg.sft.enabled:
+                self._evaluate("before_warm_start")
+                self._warm_start()
+            self._sync_weights(blocking=True)
+            self._evaluate("start")
+            self._install_signal_handlers()
+            self._train_loop()
+            if self._last_checkpoint_step != self.state.learner_step:  # not saved at the last step
+                self._checkpoint()
+            self._evaluate("end")
+            self._plot()
+            return self.state
+        finally:
+            self._shutdown()
+
+    def _prepare_run_dir(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(self.cfg.model_dump_json(indent=2))
+        handler = logging.FileHandler(self.run_dir / "driver.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger("stppo").addHandler(handler)
+        logging.getLogger("stppo").setLevel(logging.INFO)
+        from services.progress import Progress
+
+        self.progress = Progress(total_steps=self.cfg.run.num_steps, run_dir=self.run_dir)
+
+    def _start_retrieval(self) -> None:
+        if self.cfg.retrieval.url:
+            self.retrieval_url = self.cfg.retrieval.url.rstrip("/")
+            _wait_external_retrieval(self.retrieval_url, timeout_s=60.0)
+            return
+        from retrieval_server.testing import start_server, stop_server
+
+        self.progress.say(f"starting retrieval server ({self.cfg.retrieval.server.method})")
+        server = start_server(
+            self.cfg.retrieval.server, self.run_dir / "retrieval.log", startup_timeout_s=600.0
+        )
+        self._closers.append(lambda: stop_server(server))
+        self.retrieval_url = server.url
+        self.progress.say(f"retrieval server ready at {server.url}")
+
+    def _start_ray(self) -> None:
+        import ray
+
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+        if self.cfg.ray.address:
+            ray.init(address=self.cfg.ray.address, **kwargs)
+        else:
+            ray.init(
+                address="local",
+                num_cpus=self.cfg.ray.num_cpus,
+                _temp_dir=str(ray_temp_dir()),
+                **kwargs,
+            )
+        self._closers.append(ray.shutdown)
+
+    def _start_observability(self) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from services.control import create_control_app, new_token, start_control_server
+        from services.metrics import TrainingMetrics, make_asgi_app, start_metrics_server
+
+        self.registry = CollectorRegistry()
+        self.metrics = TrainingMetrics(self.registry)
+        self._publish_live_config()
+        if self.cfg.metrics.enabled:
+            server = start_metrics_server(
+                self.registry, self.cfg.metrics.host, self.cfg.metrics.port
+            )
+            self._closers.append(server.close)
+            self.metrics_url = f"http://{self.cfg.metrics.host}:{server.port}/metrics"
+            self.progress.say(f"metrics: {self.metrics_url}")
+        if self.cfg.control.enabled:
+            # a token from the environment is how the KubeRay Secret reaches the driver
+            self.control_token = (
+                self.cfg.control.token or os.environ.get("STPPO_CONTROL_TOKEN") or new_token()
+            )
+            app = create_control_app(self.control, self.control_token, make_asgi_app(self.registry))
+            server = start_control_server(app, self.cfg.control.host, self.cfg.control.port)
+            self._closers.append(server.close)
+            self.control_url = server.url
+            (self.run_dir / "control.json").write_text(
+                json.dumps({"url": server.url, "token": self.control_token})
+            )
+            self.progress.say(
+                f"control plane: {server.url}  token: {self.control_token}\n"
+                f"  e.g. STPPO_CONTROL_URL={server.url} STPPO_CONTROL_TOKEN={self.control_token} "
+                "stppo ctl set buffer.max_staleness=2"
+            )
+
+    def _create_actors(self) -> None:
+        from services.ray_actors import create_buffer_actor, create_learner_actor
+        from services.sampler import QuestionSampler
+        from services.weight_sync import make_weight_sync
+
+        self.weight_sync = make_weight_sync(self.cfg.sync.transport)
+        self.sampler = QuestionSampler.from_dir(
+            self.cfg.data.qa_dir, list(self.cfg.data.datasets), "train", self.cfg.run.seed
+        )
+        self.learner = create_learner_actor(self.cfg)
+        self.buffer = create_buffer_actor(self.cfg)
+        self._resize_rollout_actors(self.cfg.rollout.num_actors)
+        self.progress.say(f"{len(self.slots)} rollout actor(s), 1 learner, 1 buffer on Ray")
+
+    def _shutdown(self) -> None:
+        for close in reversed(self._closers):
+            try:
+                close()
+            except Exception as e:
+                log.warning("shutdown step %s failed: %s", getattr(close, "__qualname__", close), e)
+        self._closers.clear()
+
+    def _install_signal_handlers(self) -> None:
+        def on_sigterm(signum, frame):
+            self.progress.say("SIGTERM: finishing the current step, checkpointing, exiting")
+            self.stop_requested.set()
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+    # ------------------------------------------------------------------ actors
+
+    def _resize_rollout_actors(self, n: int) -> None:
+        import ray
+
+        from services.ray_actors import create_rollout_actor
+
+        while len(self.slots) < n:
+            index = len(self.slots)
+            self.slots.append(
+                RolloutSlot(create_rollout_actor(self.cfg, self.retrieval_url, index), index)
+            )
+            if self._sync is not None:
+                self._track_acks(self.weight_sync.push_to(self._sync, [self.slots[-1].handle]))
+                self.slots[-1].engine_version = self._sync.policy_version
+        while len(self.slots) > n:
+            slot = self.slots.pop()  # its in-flight rollout, if any, is abandoned
+            ray.kill(slot.handle, no_restart=True)
+
+    def _on_actor_crash(self, slot: RolloutSlot, error: Exception) -> None:
+        """A rollout actor died mid-batch: count it, re-sync its weights once Ray restarts it."""
+        self.state.actor_restarts += 1
+        self.metrics.actor_restarts_total.inc()
+        self.progress.say(
+            f"rollout actor {slot.index} crashed ({type(error).__name__}); restarting"
+        )
+        log.warning("rollout actor %d crashed: %s", slot.index, error)
+        slot.in_flight = None
+        if self._sync is not None:
+            self._track_acks(self.weight_sync.push_to(self._sync, [slot.handle]))
+            slot.engine_version = self._sync.policy_version
+
+    # ------------------------------------------------------------------ warm start / eval
+
+    def _warm_start(self) -> None:
+        """SFT on demonstrations (search the gold entity, answer with the gold answer) built
+        from the training split and the real retrieval server; teaches the tool format."""
+        import ray
+        from transformers import AutoTokenizer
+
+        from actors.retrieval_client import RetrievalClient
+        from learner.sft import build_demonstrations
+        from services.sampler import QuestionSampler
+
+        n = self.cfg.sft.num_demonstrations
+        self.progress.say(f"warm start: building demonstrations from {n} training questions")
+        # a separate stream (seed + 1) so RL questions are not used up by the warm start
+        records = QuestionSampler.from_dir(
+            self.cfg.data.qa_dir, list(self.cfg.data.datasets), "train", self.cfg.run.seed + 1
+        ).sample(n)
+        tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
+        with RetrievalClient(self.retrieval_url, self.cfg.rollout.retrieval) as client:
+            demos = build_demonstrations(
+                records, tokenizer, client.retrieve,
+                max_information_tokens=self.cfg.rollout.max_information_tokens,
+            )  # fmt: skip
+        self.progress.say(
+            f"warm start: {len(demos.demonstrations)} demonstrations "
+            f"({demos.num_answer_not_retrieved} skipped: answer not retrieved, "
+            f"{demos.num_invalid} invalid); SFT {self.cfg.sft.epochs} epoch(s)"
+        )
+        report = ray.get(self.learner.warm_start.remote(demos.demonstrations, self.cfg.sft))
+        self.state.warm_started = True
+        # SFT steps are weight updates too: versions continue from the learner's count
+        self.state.policy_version = report.policy_version
+        record = {k: v for k, v in report.__dict__.items() if k != "losses"}
+        record.update(loss_first=report.losses[0], loss_last=report.losses[-1])
+        self._append_jsonl("sft.jsonl", record)
+        self.progress.say(f"warm start done: {_fmt(record)}")
+
+    def _evaluate(self, tag: str) -> None:
+        from services.evaluate import summarize_eval
+        from services.sampler import evaluation_questions
+
+        n = self.cfg.run.eval_questions
+        if n == 0:
+            return
+        records = evaluation_questions(
+            self.cfg.data.qa_dir, list(self.cfg.data.datasets), "validation", n
+        )
+        shards = [records[i :: len(self.slots)] for i in range(len(self.slots))]
+        trajectories = self._rollout_shards(shards, tag)
+        summary = summarize_eval(trajectories)
+        summary.update(
+            tag=tag, learner_step=self.state.learner_step, policy_version=self.state.policy_version
+        )
+        self._append_jsonl("eval.jsonl", summary)
+        self.progress.say(f"eval[{tag}] validation: {_fmt(summary)}")
+
+    def _rollout_shards(self, shards: list[list[dict[str, Any]]], tag: str) -> list[Any]:
+        """Greedy rollouts of ``shards[i]`` on rollout actor ``i``, all in parallel.
+
+        An actor that crashes mid-shard (or came back from a restart with the base weights)
+        is counted, re-synced and given its shard again: evaluation is greedy and never trained
+        on, so re-running it is safe. Raises ``RuntimeError`` after
+        ``ray.max_actor_restarts`` failed rounds.
+        """
+        import ray
+
+        pending = {i: shard for i, shard in enumerate(shards) if shard}
+        trajectories: list[Any] = []
+        for _ in range(self.cfg.ray.max_actor_restarts + 1):
+            refs = {
+                i: self.slots[i].handle.rollout.remote(shard, greedy=True)
+                for i, shard in pending.items()
+            }
+            failed: dict[int, list[dict[str, Any]]] = {}
+            for i, ref in refs.items():
+                slot = self.slots[i]
+                try:
+                    batch = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    self._on_actor_crash(slot, e)
+                    failed[i] = pending[i]
+                    continue
+                if _lost_weights(batch, slot.engine_version):
+                    self._on_actor_crash(slot, RuntimeError("engine lost its weights (restarted)"))
+                    failed[i] = pending[i]
+                    continue
+                trajectories.extend(batch)
+            if not failed:
+                return trajectories
+            for ack in list(self._pending_acks):  # the re-synced weights must land first
+                self._on_sync_ack(ack)
+            pending = failed
+        raise RuntimeError(
+            f"eval[{tag}]: rollout actors {sorted(pending)} crashed "
+            f"{self.cfg.ray.max_actor_restarts + 1} times in a row"
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def _train_loop(self) -> None:
+        import ray
+
+        num_steps = self.cfg.run.num_steps
+        deadline = time.monotonic() + self.max_train_s if self.max_train_s > 0 else float("inf")
+        while (
+            self.state.learner_step < num_steps
+            and not self.stop_requested.is_set()
+            and time.monotonic() < deadline
+        ):
+            if self._step_ref is None:
+                self._apply_pending_changes()
+                self._maybe_start_step()
+            self._admit_rollouts()
+            waiting = [s.in_flight for s in self.slots if s.in_flight is not None]
+            waiting += [self._step_ref] if self._step_ref is not None else []
+            waiting += list(self._pending_acks)
+            if not waiting:
+                raise RuntimeError("deadlock: no rollout, learner step or sync in flight")
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+            for ref in ready:
+                self._dispatch(ref)
+        # rollouts still in flight are abandoned: never trained on, regenerated on resume
+        for slot in self.slots:
+            slot.in_flight = None
+        if self._step_ref is not None:
+            self._on_step_done(ray.get(self._step_ref).to_dict())
+
+    def _admit_rollouts(self) -> None:
+        import ray
+
+        from learner.buffer import may_start_rollout
+
+        free = ray.get(self.buffer.free_slots.remote())
+        per_call = self.cfg.rollout.prompts_per_batch * self.cfg.rollout.group_size
+        in_flight = sum(per_call for s in self.slots if s.in_flight is not None)
+        for slot in self.slots:
+            if slot.in_flight is not None or slot.engine_version < 0:
+                continue
+            if in_flight + per_call > free:
+                return  # backpressure: the buffer could not take the output
+            if not may_start_rollout(
+                slot.engine_version,
+                self.state.policy_version,
+                self._step_ref is not None,
+                self.control.config.buffer.max_staleness,
+            ):
+                continue
+            records = self.sampler.sample(self.cfg.rollout.prompts_per_batch)
+            slot.in_flight = slot.handle.rollout.remote(records)
+            slot.submitted_version = slot.engine_version
+            slot.started_s = time.perf_counter()
+            in_flight += per_call
+
+    def _dispatch(self, ref: Any) -> None:
+        import ray
+
+        if ref is self._step_ref or ref == self._step_ref:
+            self._step_ref = None
+            self._on_step_done(ray.get(ref).to_dict())
+            return
+        if ref in self._pending_acks:
+            self._on_sync_ack(ref)
+            return
+        slot = next(s for s in self.slots if s.in_flight is not None and s.in_flight == ref)
+        try:
+            trajectories = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            self._on_actor_crash(slot, e)
+            return
+        slot.in_flight = None
+        self._rollout_durations_s.append(time.perf_counter() - slot.started_s)
+        if _lost_weights(trajectories, slot.submitted_version):
+            # Its output is correctly stamped (and will be dropped as stale); re-sync it.
+            self._on_actor_crash(slot, RuntimeError("engine lost its weights (restarted)"))
+        self._on_rollout_done(trajectories)
+
+    def _on_rollout_done(self, trajectories: list[Any]) -> None:
+        import ray
+
+        accepted = ray.get(self.buffer.put.remote(trajectories))
+        self.state.trajectories_generated += len(trajectories)
+        self.metrics.trajectories_generated_total.inc(len(trajectories))
+        self._rollout_trajs += len(trajectories)
+        self._rollout_tokens += sum(t.num_policy_tokens for t in trajectories)
+        for t in trajectories:
+            if t.malformed_reason:
+                self.metrics.count_malformed_answer(t.malformed_reason)
+            if t.retrieval_failed:
+                # extra["retrieval_error"] is "<reason>: <message>" (timeout, connect, http_503...)
+                self.metrics.retrieval_failed_trajectories_total.inc()
+                error = t.extra.get("retrieval_error") or "unknown"
+                self.metrics.count_retrieval_error(error.split(":", 1)[0])
+        if accepted < len(trajectories):
+            log.warning("buffer full: %d trajectories rejected", len(trajectories) - accepted)
+
+    def _maybe_start_step(self) -> None:
+        import ray
+
+        n = self.cfg.learner.train_batch_size
+        if ray.get(self.buffer.num_ready.remote(self.state.policy_version)) < n:
+            return
+        take = ray.get(self.buffer.take.remote(n, self.state.policy_version))
+        self.metrics.dropped_stale_total.inc(take.dropped_stale)
+        # only this driver touches the buffer, so num_ready >= n means take returns n
+        if len(take.trajectories) != n:
+            raise RuntimeError(
+                f"buffer returned {len(take.trajectories)} trajectories, expected {n}"
+            )
+        self.metrics.observe_staleness(take.staleness)
+        self._step_take = take
+        self._step_started_s = time.perf_counter()
+        self._step_ref = self.learner.step.remote(take.trajectories)
+
+    def _on_step_done(self, step_metrics: dict[str, float]) -> None:
+        import ray
+
+        take = self._step_take
+        self.state.learner_step += 1
+        self.state.policy_version += 1
+        if (
+            step_metrics.get("policy_version", self.state.policy_version)
+            != self.state.policy_version
+        ):
+            raise RuntimeError(
+                f"learner is at policy_version {step_metrics['policy_version']}, "
+                f"driver expected {self.state.policy_version}"
+            )
+        self.state.trajectories_consumed += len(take.trajectories)
+        self.metrics.trajectories_consumed_total.inc(len(take.trajectories))
+        self.metrics.nonfinite_steps_total.inc(int(step_metrics.get("skipped_steps", 0)))
+        stats = ray.get(self.buffer.stats.remote())
+        record = dict(step_metrics)
+        record.update(self._throughput())
+        record.update(
+            step=self.state.learner_step,
+            policy_version=self.state.policy_version,
+            variant=self.control.config.algorithm.variant,
+            wall_s=round(time.perf_counter() - self._step_started_s, 3),
+            elapsed_s=round(time.perf_counter() - self._run_started_s, 3),
+            staleness_mean=sum(take.staleness) / len(take.staleness),
+            staleness_max=max(take.staleness),
+            dropped_stale=stats.dropped_stale_total,
+            buffer_depth=stats.depth,
+        )
+        if self.state.learner_step % self.cfg.sync.every_k_steps == 0:
+            record["weight_sync_s"] = self._sync_weights(blocking=False)
+        self.metrics.observe_step(
+            {k: v for k, v in record.items() if k in _learner_gauges()},
+        )
+        self.metrics.set_learner_state(self.state.learner_step, self.state.policy_version)
+        self.metrics.buffer_depth.set(stats.depth)
+        self._append_jsonl("steps.jsonl", record)
+        self.progress.step(record)
+        self._publish_status(stats)
+        every = self.cfg.checkpoint.every_k_steps
+        if every and self.state.learner_step % every == 0:
+            self._checkpoint()
+
+    def _throughput(self) -> dict[str, float]:
+        now = time.perf_counter()
+        elapsed = max(now - self._window_start_s, 1e-9)
+        durations = self._rollout_durations_s
+        out = {
+            "trajectories_per_s": self._rollout_trajs / elapsed,
+            "rollout_tokens_per_s": self._rollout_tokens / elapsed,
+            "rollouts_completed": len(durations),
+            "rollout_s_mean": sum(durations) / len(durations) if durations else 0.0,
+        }
+        self._rollout_durations_s = []
+        self.metrics.trajectories_per_s.set(out["trajectories_per_s"])
+        self.metrics.rollout_tokens_per_s.set(out["rollout_tokens_per_s"])
+        self._rollout_trajs = self._rollout_tokens = 0
+        self._window_start_s = now
+        return out
+
+    # ------------------------------------------------------------------ weight sync
+
+    def _sync_weights(self, blocking: bool) -> float:
+        """Push the learner's current weights to every engine; returns the export seconds."""
+        import ray
+
+        handle = self.weight_sync.push(
+            self.learner, [s.handle for s in self.slots], self.state.policy_version
+        )
+        self._sync = handle
+        for slot in self.slots:
+            slot.engine_version = handle.policy_version
+        self._track_acks(handle.acks)
+        if blocking:
+            for ack in list(handle.acks):
+                ray.get(ack)
+                self._on_sync_ack(ack)
+        return handle.export_s
+
+    def _track_acks(self, acks: list[Any]) -> None:
+        for ack in acks:
+            self._pending_acks[ack] = (self._sync.export_s, time.perf_counter())
+
+    def _on_sync_ack(self, ack: Any) -> None:
+        import ray
+
+        export_s, _ = self._pending_acks.pop(ack)
+        try:
+            load_s = ray.get(ack)
+        except ray.exceptions.RayActorError:
+            return  # the actor crashed; _on_actor_crash re-syncs it
+        if isinstance(load_s, int | float):
+            self.metrics.observe_weight_sync(export_s + float(load_s))
+
+    # ------------------------------------------------------------------ live changes
+
+    def _apply_pending_changes(self) -> None:
+        import ray
+
+        new = self.control.take_pending()
+        if new is None:
+            return
+        old = self.control.config
+        fields = changed_fields(old, new)
+        if new.buffer.max_staleness != old.buffer.max_staleness:
+            ray.get(self.buffer.set_max_staleness.remote(new.buffer.max_staleness))
+        if new.buffer.stale_policy != old.buffer.stale_policy:
+            ray.get(self.buffer.set_stale_policy.remote(new.buffer.stale_policy))
+        if new.algorithm != old.algorithm:
+            ray.get(self.learner.set_algorithm.remote(new.algorithm))
+        if (new.learner.actor_lr, new.learner.critic_lr) != (
+            old.learner.actor_lr,
+            old.learner.critic_lr,
+        ):
+            ray.get(self.learner.set_lr.remote(new.learner.actor_lr, new.learner.critic_lr))
+        self.cfg = new
+        if new.rollout.num_actors != len(self.slots):
+            self._resize_rollout_actors(new.rollout.num_actors)
+        self.control.publish(config=new)
+        for f in fields:
+            self.metrics.count_config_change(f)
+        self._publish_live_config()
+        self._append_jsonl(
+            "config_changes.jsonl", {"learner_step": self.state.learner_step, "fields": fields}
+        )
+        self.progress.say(
+            f"applied live change at step {self.state.learner_step}: {', '.join(fields)}"
+        )
+        log.info("applied live change: %s", fields)
+
+    def _publish_live_config(self) -> None:
+        cfg = self.control.config
+        self.metrics.set_live_config(
+            max_staleness=cfg.buffer.max_staleness,
+            variant=cfg.algorithm.variant,
+            learning_rate=cfg.learner.actor_lr,
+            clip_eps=cfg.algorithm.clip_eps_high,
+            num_rollout_actors=cfg.rollout.num_actors,
+        )
+
+    def _publish_status(self, stats: Any) -> None:
+        self.control.publish(
+            learner_step=self.state.learner_step,
+            policy_version=self.state.policy_version,
+            engine_versions=[s.engine_version for s in self.slots],
+            buffer={"depth": stats.depth, "capacity": stats.capacity,
+                    "dropped_stale_total": stats.dropped_stale_total},
+            trajectories_generated=self.state.trajectories_generated,
+            trajectories_consumed=self.state.trajectories_consumed,
+            actor_restarts=self.state.actor_restarts,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint(self) -> Path:
+        import ray
+
+        self.state.questions_drawn = self.sampler.num_drawn
+        path = self.run_dir / "checkpoints" / f"step_{self.state.learner_step:06d}"
+        ray.get(self.learner.save_checkpoint.remote(str(path)))
+        (path / "driver_state.json").write_text(json.dumps(self.state.__dict__, indent=2))
+        (path / "config.json").write_text(self.control.config.model_dump_json(indent=2))
+        (self.run_dir / "checkpoints" / "latest").write_text(path.name)
+        self._prune_checkpoints()
+        self._last_checkpoint_step = self.state.learner_step
+        self.progress.say(f"checkpoint: {path}")
+        return path
+
+    def _plot(self) -> None:
+        """``<run_dir>/curves.png`` (what ``stppo plot <run_dir>`` draws); a failure to draw
+        is logged, never fatal: the run's results are already on disk."""
+        from services.plots import plot_runs
+
+        if not (self.run_dir / "steps.jsonl").exists():
+            return
+        try:
+            path = plot_runs([self.run_dir], self.run_dir / "curves.png")
+        except Exception as e:
+            log.warning("could not draw the curves: %s", e)
+            return
+        self.progress.say(f"curves: {path}")
+
+    def _prune_checkpoints(self) -> None:
+        import shutil
+
+        root = self.run_dir / "checkpoints"
+        done = sorted(p for p in root.glob("step_*") if (p / "driver_state.json").exists())
+        for old in done[: -self.cfg.checkpoint.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _restore(self) -> None:
+        import ray
+
+        root = self.run_dir / "checkpoints"
+        latest = root / "latest"
+        if not latest.exists():
+            raise FileNotFoundError(f"--resume: no checkpoint in {root}")
+        path = root / latest.read_text().strip()
+        ray.get(self.learner.load_checkpoint.remote(str(path)))
+        saved = json.loads((path / "driver_state.json").read_text())
+        self.state = DriverState(**saved)
+        self.sampler.num_drawn = self.state.questions_drawn
+        self.progress.say(
+            f"resumed from {path}: step {self.state.learner_step}, version {self.state.policy_version}"
+        )
+
+    # ------------------------------------------------------------------ logs
+
+    def _append_jsonl(self, name: str, record: dict[str, Any]) -> None:
+        with (self.run_dir / name).open("a") as f:
+            f.write(json.dumps(record, default=_json_default) + "\n")
+
+
+def _lost_weights(trajectories: list[Any], expected_version: int) -> bool:
+    """Ray restarted the actor while it was idle, so it came back with the base weights: its
+    trajectories carry an older ``policy_version`` than the last one pushed to it."""
+    return bool(trajectories) and min(t.policy_version_min for t in trajectories) < expected_version
+
+
+def _wait_external_retrieval(url: str, timeout_s: float) -> None:
+    """Block until an external retrieval server answers ``/healthz`` 200.
+
+    Raises:
+        RuntimeError: not healthy within ``timeout_s`` (message has the last error).
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            resp = httpx.get(f"{url}/healthz", timeout=2.0)
+            if resp.status_code == 200:
+                return
+            last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+        except httpx.HTTPError as e:
+            last = f"{type(e).__name__}: {e}"
+        time.sleep(0.5)
+    raise RuntimeError(f"retrieval server {url} not healthy after {timeout_s:.0f} s ({last})")
+
+
+def _learner_gauges() -> set[str]:
+    from services.metrics import LEARNER_STEP_METRICS
+
+    return set(LEARNER_STEP_METRICS)
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "__dict__"):
+        return value.__dict__
+    return str(value)
+
+
+def _fmt(values: dict[str, Any]) -> str:
+    parts = []
+    for k, v in values.items():
+        if isinstance(v, float):
+            parts.append(f"{k}={v:.3g}")
+        elif isinstance(v, int | str):
+            parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
+def run_training(cfg: RunConfig, resume: bool = False) -> DriverState:
+    """Entry point of ``stppo train``."""
+    return Driver(cfg, resume=resume).run()

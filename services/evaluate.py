@@ -1,0 +1,299 @@
+"""``stppo eval``: run the agent without training and score it per QA set.
+
+Greedy decoding (temperature 0, one episode per question) on the validation or test split of
+each QA set; reports exact match (QA) or option accuracy (multiple choice), mean searches and
+turns, and the malformed-output rate, as a table and a JSON file.
+
+Modes (``--mode``): ``agent`` (the multi-turn search agent, :mod:`actors.rollout`), and the
+two one-turn baselines of the Search-R1 / ST-PPO papers (:mod:`actors.baselines`):
+``closed_book`` (no retrieval) and ``rag`` (top-k passages for the raw question in the
+prompt); ``all`` runs the three on the same questions, and the table shows them side by
+side. Every mode is scored by the same reward code (:func:`actors.reward.compute_reward`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from services.config import RunConfig
+
+EVAL_MODES: tuple[str, ...] = ("closed_book", "rag", "agent")
+"""Every evaluation mode, in report order (baselines first, as in the papers' tables)."""
+
+
+@dataclass
+class SetScore:
+    """Scores of one QA set (or ``all``).
+
+    Attributes:
+        data_source: QA set name, or ``all``.
+        num_questions: questions scored.
+        success_rate: exact match (QA) / option accuracy (MC), 0..1.
+        searches_mean: ``<search>`` calls per question.
+        turns_mean: policy turns per question.
+        malformed_rate: share of outputs without a well-formed ``<answer>``, 0..1.
+        retrieval_failed: questions whose search failed after retries (scored 0).
+        mode: how the questions were put: ``agent``, ``closed_book`` or ``rag``.
+    """
+
+    data_source: str
+    num_questions: int
+    success_rate: float
+    searches_mean: float
+    turns_mean: float
+    malformed_rate: float
+    retrieval_failed: int
+    mode: str = "agent"
+
+
+def parse_modes(mode: str) -> list[str]:
+    """The modes ``--mode`` names: one of :data:`EVAL_MODES`, or ``all`` (every one, in order).
+
+    Raises:
+        ValueError: any other value.
+    """
+    if mode == "all":
+        return list(EVAL_MODES)
+    if mode not in EVAL_MODES:
+        raise ValueError(f"--mode must be one of {', '.join(EVAL_MODES)} or all, got {mode!r}")
+    return [mode]
+
+
+def score_set(data_source: str, trajectories: list[Any], mode: str = "agent") -> SetScore:
+    """Aggregate evaluated trajectories of one set (in one ``mode``).
+
+    Raises:
+        ValueError: no trajectories.
+    """
+    n = len(trajectories)
+    if n == 0:
+        raise ValueError(f"no trajectories to score for {data_source}")
+    return SetScore(
+        data_source=data_source,
+        num_questions=n,
+        success_rate=sum(bool(t.success) for t in trajectories) / n,
+        searches_mean=sum(t.num_searches for t in trajectories) / n,
+        turns_mean=sum(t.num_turns for t in trajectories) / n,
+        malformed_rate=sum(t.malformed_reason is not None for t in trajectories) / n,
+        retrieval_failed=sum(bool(t.retrieval_failed) for t in trajectories),
+        mode=mode,
+    )
+
+
+def summarize_eval(trajectories: list[Any]) -> dict[str, Any]:
+    """Flat summary for logs: overall scores plus ``success_rate/<set>`` per QA set."""
+    if not trajectories:
+        return {"num_questions": 0}
+    overall = asdict(score_set("all", trajectories))
+    overall.pop("data_source")
+    overall.pop("mode")
+    for source in sorted({t.data_source for t in trajectories}):
+        group = [t for t in trajectories if t.data_source == source]
+        overall[f"success_rate/{source}"] = score_set(source, group).success_rate
+    return overall
+
+
+def resolve_policy_dir(checkpoint: Path | None, default: Path) -> Path:
+    """The HF model folder to evaluate: the ``hf_policy`` export of a run checkpoint (what
+    :meth:`learner.trainer.Learner.save_checkpoint` writes), else ``checkpoint`` itself if it
+    is an HF model folder (``config.json`` and ``*.safetensors``); ``default`` (the base
+    model) when ``checkpoint`` is None.
+
+    Raises:
+        FileNotFoundError: ``checkpoint`` holds none of them.
+    """
+    if checkpoint is None:
+        return default
+    # hf_policy/ first: a driver checkpoint also holds a config.json (the run config)
+    for candidate in (checkpoint / "hf_policy", checkpoint):
+        if (candidate / "config.json").exists() and any(candidate.glob("*.safetensors")):
+            return candidate
+    raise FileNotFoundError(
+        f"{checkpoint} is neither an HF model folder nor a checkpoint with hf_policy/"
+    )
+
+
+def evaluate_records(
+    worker: Any, records: list[dict], batch_size: int = 16, mode: str = "agent"
+) -> list[Any]:
+    """Greedy trajectories for ``records`` in batches of ``batch_size``, with a progress bar.
+
+    ``agent`` runs the worker's multi-turn rollout; ``closed_book`` and ``rag`` run
+    :func:`actors.baselines.run_single_turn` on the worker's engine, tokenizer and
+    retrieval client.
+
+    Raises:
+        ValueError: unknown ``mode``.
+    """
+    from tqdm import tqdm
+
+    from actors.baselines import run_single_turn
+
+    if mode not in EVAL_MODES:
+        raise ValueError(f"unknown eval mode {mode!r}; expected one of {EVAL_MODES}")
+    out: list[Any] = []
+    for i in tqdm(range(0, len(records), batch_size), desc=f"eval {mode}", unit="batch"):
+        batch = records[i : i + batch_size]
+        if mode == "agent":
+            out.extend(worker.rollout(batch, greedy=True))
+        else:
+            out.extend(
+                run_single_turn(
+                    worker.engine, worker.tokenizer, batch, mode, worker.cfg, client=worker.client
+                )
+            )
+    return out
+
+
+def run_eval(
+    cfg: RunConfig,
+    checkpoint: Path | None,
+    split: str,
+    limit: int = 100,
+    out: Path | None = None,
+    modes: list[str] | None = None,
+    batch_size: int = 16,
+) -> list[SetScore]:
+    """Evaluate a policy on ``split`` of every configured QA set (first ``limit`` each).
+
+    Starts the retrieval server (unless ``retrieval.url`` is set), loads the policy into an
+    HF engine in this process, runs each of ``modes`` (default ``["agent"]``) on the same
+    questions, prints a table (success side by side per mode, then details) and writes JSON
+    to ``out`` (default ``<run_dir>/eval_<split>.json``).
+
+    Returns:
+        One :class:`SetScore` per (mode, set), modes in the order given.
+
+    Raises:
+        FileNotFoundError: ``checkpoint`` is not a policy (see :func:`resolve_policy_dir`).
+        ValueError: an unknown mode.
+    """
+    from actors.rollout import RolloutWorker
+    from retrieval_server.testing import start_server, stop_server
+    from services.sampler import read_qa_split
+
+    modes = list(modes or ["agent"])
+    for m in modes:
+        parse_modes(m)
+    policy_dir = resolve_policy_dir(checkpoint, cfg.model.path)
+    out = out or cfg.run_dir / f"eval_{split}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    server = None
+    if cfg.retrieval.url:
+        url = cfg.retrieval.url
+    else:
+        server = start_server(
+            cfg.retrieval.server, out.parent / "eval_retrieval.log", startup_timeout_s=600
+        )
+        url = server.url
+    try:
+        worker = RolloutWorker(str(policy_dir), cfg.rollout, url, seed=cfg.run.seed)
+        scores = []
+        for name in cfg.data.datasets:
+            records = read_qa_split(cfg.data.qa_dir, name, split)[:limit]
+            for m in modes:
+                trajectories = evaluate_records(worker, records, batch_size, mode=m)
+                scores.append(score_set(name, trajectories, mode=m))
+        worker.close()
+    finally:
+        if server is not None:
+            stop_server(server)
+    print_eval_tables(scores, f"{policy_dir} on {split} (greedy)")
+    out.write_text(
+        json.dumps(
+            {
+                "policy": str(policy_dir),
+                "split": split,
+                "modes": modes,
+                "limit": limit,
+                "scores": [asdict(s) for s in scores],
+            },
+            indent=2,
+        )
+    )
+    md = out.with_suffix(".md")
+    md.write_text(eval_markdown(scores))
+    print(f"wrote {out} and {md}")
+    return scores
+
+
+def eval_markdown(scores: list[SetScore]) -> str:
+    """The side-by-side success table, then the details table, as markdown."""
+    header, rows = side_by_side(scores)
+    detail = [
+        [s.data_source, s.mode, str(s.num_questions), f"{s.success_rate:.3f}",
+         f"{s.searches_mean:.2f}", f"{s.turns_mean:.2f}", f"{s.malformed_rate:.2f}",
+         str(s.retrieval_failed)]
+        for s in scores
+    ]  # fmt: skip
+    detail_header = [
+        "set",
+        "mode",
+        "n",
+        "EM / acc",
+        "searches",
+        "turns",
+        "malformed",
+        "retr. failed",
+    ]
+    return f"{markdown_table(header, rows)}\n\n{markdown_table(detail_header, detail)}\n"
+
+
+def side_by_side(scores: list[SetScore]) -> tuple[list[str], list[list[str]]]:
+    """Success per set (rows) and mode (columns), as ``(header, rows)`` of strings.
+
+    Example: scores of sets ``single_hop`` and modes ``closed_book``, ``agent`` give
+    ``(["set", "n", "closed_book", "agent"], [["single_hop", "50", "0.040", "0.120"]])``.
+
+    Raises:
+        ValueError: one set was scored on different numbers of questions across modes.
+    """
+    modes = list(dict.fromkeys(s.mode for s in scores))
+    sets = list(dict.fromkeys(s.data_source for s in scores))
+    by_key = {(s.data_source, s.mode): s for s in scores}
+    rows = []
+    for name in sets:
+        sizes = {by_key[(name, m)].num_questions for m in modes if (name, m) in by_key}
+        if len(sizes) != 1:
+            raise ValueError(f"{name} was scored on different numbers of questions: {sizes}")
+        cells = [
+            f"{by_key[(name, m)].success_rate:.3f}" if (name, m) in by_key else "-" for m in modes
+        ]
+        rows.append([name, str(sizes.pop()), *cells])
+    return ["set", "n", *modes], rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub markdown table (header row, separator, one line per row)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def print_eval_tables(scores: list[SetScore], title: str) -> None:
+    """Print the side-by-side success table, then one detail row per (set, mode)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    header, rows = side_by_side(scores)
+    summary = Table(title=f"{title}: exact match / accuracy")
+    for col in header:
+        summary.add_column(col)
+    for row in rows:
+        summary.add_row(*row)
+    console.print(summary)
+    detail = Table(title="details")
+    cols = ("set", "mode", "n", "EM / acc", "searches", "turns", "malformed", "retr. failed")
+    for col in cols:
+        detail.add_column(col)
+    for s in scores:
+        detail.add_row(
+            s.data_source, s.mode, str(s.num_questions), f"{s.success_rate:.3f}",
+            f"{s.searches_mean:.2f}", f"{s.turns_mean:.2f}", f"{s.malformed_rate:.2f}",
+            str(s.retrieval_failed),
+        )  # fmt: skip
+    console.print(detail)

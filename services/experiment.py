@@ -1,0 +1,624 @@
+"""``stppo experiment NAME``: a named grid of training runs, then one summary and one figure.
+
+A grid is a TOML file ``deploy/configs/experiments/<NAME>.toml`` (:class:`ExperimentSpec`):
+a base run config, overrides applied to every run, the grid axes (dotted config keys, each
+with a list of values), the seeds and the step budget. Every combination x seed is one
+``services.driver.run_training`` call with its own run name, one after the other, under
+``<output_dir>/<NAME>/``. With ``shared_warm_start``, the warm-start SFT runs once first
+(run ``warm_start``: 0 learner steps, no evaluation) and every grid run starts from its
+exported policy with SFT off, so all runs share one identical warm start. Then:
+
+- ``summary.json`` and ``summary.md``: one row per run (:class:`RunSummary`): final and
+  best validation success, training success, collapse yes/no (:func:`detect_collapse`),
+  mean clip ratio, mean approx KL, mean clipping-bias norm, mean staleness, wall time;
+- ``curves.png``: every run overlaid (:func:`services.plots.plot_runs`).
+
+Collapse rule (:class:`CollapseRule`, defaults in brackets): on the per-step training
+success rate (``success_rate`` in ``steps.jsonl``), smoothed by a trailing moving average
+of ``window`` [3] steps, a run has collapsed when each of its last ``last_k`` [3] steps is
+more than ``drop`` [0.2] (absolute success) below the best smoothed value reached before
+those steps. A run with fewer than ``last_k + 1`` steps cannot be judged (``None``, shown
+as ``n/a``). The same rule is applied to ``reward_mean``; either one triggering counts.
+The paper's collapse is a sharp, lasting fall of success after a good phase; this rule asks
+for exactly that and ignores a single bad batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from learner.config import StrictModel
+from services.config import ConfigError, RunConfig, _format_validation_error, load_config, read_toml
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "experiments"
+"""Where named grids live (``<name>.toml``)."""
+
+
+class CollapseRule(StrictModel):
+    """When a run counts as collapsed (see the module docstring)."""
+
+    drop: float = Field(0.2, gt=0.0, le=1.0)
+    """Fall below the best smoothed value, in absolute success (0..1), that counts."""
+
+    last_k: int = Field(3, ge=1)
+    """Steps at the end of the run that must all be below ``best - drop``."""
+
+    window: int = Field(3, ge=1)
+    """Trailing moving-average window (steps) applied before the rule."""
+
+    metrics: list[str] = Field(default_factory=lambda: ["success_rate", "reward_mean"])
+    """``steps.jsonl`` series the rule is applied to; any one triggering is a collapse."""
+
+
+class ExperimentSpec(StrictModel):
+    """A named grid of runs (one TOML file under ``deploy/configs/experiments/``)."""
+
+    description: str = ""
+    """What the grid compares, for the summary."""
+
+    base_config: Path | None = None
+    """Run config every run starts from (relative to the working directory); None = defaults."""
+
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """``dotted.key -> value`` applied to every run after ``base_config``."""
+
+    grid: dict[str, list[Any]] = Field(min_length=1)
+    """``dotted.key -> values``; the runs are the cartesian product, in file order."""
+
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    """``run.seed`` of each repetition (the same seeds for every grid point)."""
+
+    num_steps: int = Field(10, ge=1)
+    """Learner steps of every run (the step budget)."""
+
+    collapse: CollapseRule = CollapseRule()
+    """The collapse rule of the summary."""
+
+    max_run_s: float = Field(0.0, ge=0.0)
+    """Wall-clock cap on each grid run's training loop in seconds (0 = none), counted from
+    the first learner step's start of collection (after startup and the ``start``
+    evaluation): after it the run starts no new learner step (the one in progress
+    finishes), then checkpoints and evaluates as usual. A safety net for shared machines;
+    a capped run logs fewer than ``num_steps`` steps."""
+
+    shared_warm_start: bool = False
+    """Run the warm start (the ``sft`` section, forced on) once, as run ``warm_start`` with 0
+    learner steps and no evaluation, and start every grid run from its exported policy
+    (``model.path`` = its ``hf_policy/``, ``sft.enabled = false``). The warm start uses the
+    first seed. Grid runs then take that policy as their reference (KL) and critic backbone."""
+
+    @field_validator("grid")
+    @classmethod
+    def _check_grid(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for key, values in grid.items():
+            if not values:
+                raise ValueError(f"grid axis {key!r} has no values")
+            if key in ("run.seed", "run.num_steps", "run.name", "run.output_dir"):
+                raise ValueError(f"grid axis {key!r} is set by the experiment itself")
+        return grid
+
+
+@dataclass
+class PlannedRun:
+    """One run of a grid: its name and its validated config."""
+
+    name: str
+    grid_values: dict[str, Any]
+    seed: int
+    config: RunConfig
+
+
+@dataclass
+class CollapseCheck:
+    """Result of :func:`detect_collapse` on one series.
+
+    Attributes:
+        collapsed: True / False, or None when the run is too short to judge.
+        best: Best smoothed value before the last ``last_k`` steps (NaN if none).
+        last_max: Highest smoothed value among the last ``last_k`` steps (NaN if none).
+    """
+
+    collapsed: bool | None
+    best: float
+    last_max: float
+
+
+@dataclass
+class RunSummary:
+    """One row of the experiment summary.
+
+    Attributes:
+        run: Run name.
+        variant: ``algorithm.variant`` of the last step (the configured one if no step ran).
+        max_staleness: ``buffer.max_staleness`` of the run.
+        seed: ``run.seed``.
+        num_steps: Learner steps logged in ``steps.jsonl``.
+        val_success_start: Validation success after the warm start, before RL (NaN if absent).
+        val_success_final: Validation success at the end (NaN if absent).
+        val_success_best: Best validation success from the RL start on (NaN if none).
+        train_success_first: Training-batch success of step 1.
+        train_success_last: Training-batch success of the last step.
+        train_success_best: Best training-batch success of any step.
+        collapsed: :func:`run_collapsed` (None = too short to judge).
+        clip_ratio_mean: Mean over steps of ``clip_ratio`` (fraction of masked tokens clipped).
+        approx_kl_mean: Mean over steps of ``approx_kl`` (nats/token).
+        clip_bias_norm_mean: Mean over steps of ``clip_bias_norm`` (NaN when not logged).
+        staleness_mean: Mean over steps of ``staleness_mean`` (learner steps).
+        wall_s: ``elapsed_s`` of the last step (seconds since the driver started).
+    """
+
+    run: str
+    variant: str
+    max_staleness: int
+    seed: int
+    num_steps: int
+    val_success_start: float
+    val_success_final: float
+    val_success_best: float
+    train_success_first: float
+    train_success_last: float
+    train_success_best: float
+    collapsed: bool | None
+    clip_ratio_mean: float
+    approx_kl_mean: float
+    clip_bias_norm_mean: float
+    staleness_mean: float
+    wall_s: float
+
+
+# --------------------------------------------------------------------------- the grid
+
+
+def experiment_path(name: str, experiments_dir: Path = EXPERIMENTS_DIR) -> Path:
+    """``<experiments_dir>/<name>.toml``.
+
+    Raises:
+        ConfigError: no such file (the message lists the known names).
+    """
+    path = experiments_dir / f"{name}.toml"
+    if not path.exists():
+        known = sorted(p.stem for p in experiments_dir.glob("*.toml"))
+        raise ConfigError(f"no experiment {name!r} in {experiments_dir}; known: {known}")
+    return path
+
+
+def load_experiment(path: Path) -> ExperimentSpec:
+    """Read and validate an experiment TOML.
+
+    Raises:
+        ConfigError: missing file, bad TOML or an invalid field (named).
+    """
+    from pydantic import ValidationError
+
+    try:
+        return ExperimentSpec.model_validate(read_toml(path))
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, str(path))) from None
+
+
+def run_name(grid_values: dict[str, Any], seed: int) -> str:
+    """``<last key part>-<value>`` per axis, then ``seed-<seed>``, joined by ``_``.
+
+    Example: ``run_name({"algorithm.variant": "ppo", "buffer.max_staleness": 4}, 0)
+    == "variant-ppo_max_staleness-4_seed-0"``.
+    """
+    parts = [f"{key.rsplit('.', 1)[-1]}-{value}" for key, value in grid_values.items()]
+    return "_".join([*parts, f"seed-{seed}"])
+
+
+WARM_START_RUN = "warm_start"
+"""Run name of the shared warm start (:attr:`ExperimentSpec.shared_warm_start`)."""
+
+
+def warm_start_policy_dir(spec: ExperimentSpec, name: str, output_dir: Path) -> Path:
+    """Where the shared warm start's policy is exported: its only checkpoint (step 0)."""
+    return output_dir / name / WARM_START_RUN / "checkpoints" / "step_000000" / "hf_policy"
+
+
+def plan_warm_start(
+    spec: ExperimentSpec, name: str, output_dir: Path, extra_overrides: list[str] | None = None
+) -> PlannedRun | None:
+    """The shared warm-start run (None unless ``spec.shared_warm_start``): the grid's common
+    overrides, SFT on, 0 learner steps, no evaluation, the first seed.
+
+    Raises:
+        ConfigError: the config does not validate.
+    """
+    if not spec.shared_warm_start:
+        return None
+    seed = spec.seeds[0]
+    fixed = {
+        "run.name": WARM_START_RUN,
+        "run.output_dir": str(output_dir / name),
+        "run.seed": seed,
+        "run.num_steps": 0,
+        "run.eval_questions": 0,
+        "sft.enabled": True,
+    }
+    overrides = [f"{k}={_toml_value(v)}" for k, v in spec.overrides.items()]
+    overrides += list(extra_overrides or [])
+    overrides += [f"{k}={_toml_value(v)}" for k, v in fixed.items()]
+    try:
+        cfg = load_config(spec.base_config, overrides)
+    except ConfigError as e:
+        raise ConfigError(f"run {WARM_START_RUN}: {e}") from None
+    return PlannedRun(WARM_START_RUN, {}, seed, cfg)
+
+
+def plan_runs(
+    spec: ExperimentSpec, name: str, output_dir: Path, extra_overrides: list[str] | None = None
+) -> list[PlannedRun]:
+    """Every grid point x seed as a validated config (nothing runs yet).
+
+    Each run gets ``run.name`` from :func:`run_name`, ``run.output_dir = output_dir/name``,
+    ``run.seed`` and ``run.num_steps = spec.num_steps`` (and, with ``shared_warm_start``,
+    ``model.path`` = :func:`warm_start_policy_dir` and ``sft.enabled = false``);
+    ``extra_overrides`` (``dotted.key=value`` strings) come last, before those.
+
+    Raises:
+        ConfigError: a combination does not validate (the message names the run).
+    """
+    keys = list(spec.grid)
+    planned = []
+    shared: dict[str, Any] = {}
+    if spec.shared_warm_start:
+        shared = {
+            "model.path": str(warm_start_policy_dir(spec, name, output_dir)),
+            "sft.enabled": False,
+        }
+    for values in itertools.product(*(spec.grid[k] for k in keys)):
+        grid_values = dict(zip(keys, values, strict=True))
+        for seed in spec.seeds:
+            rname = run_name(grid_values, seed)
+            fixed = {
+                "run.name": rname,
+                "run.output_dir": str(output_dir / name),
+                "run.seed": seed,
+                "run.num_steps": spec.num_steps,
+                **shared,
+            }
+            overrides = [f"{k}={_toml_value(v)}" for k, v in spec.overrides.items()]
+            overrides += [f"{k}={_toml_value(v)}" for k, v in grid_values.items()]
+            overrides += list(extra_overrides or [])
+            overrides += [f"{k}={_toml_value(v)}" for k, v in fixed.items()]
+            try:
+                cfg = load_config(spec.base_config, overrides)
+            except ConfigError as e:
+                raise ConfigError(f"run {rname}: {e}") from None
+            planned.append(PlannedRun(rname, grid_values, seed, cfg))
+    return planned
+
+
+def _toml_value(value: Any) -> str:
+    """A value as TOML source for a ``key=value`` override (JSON is valid TOML for these)."""
+    return json.dumps(value)
+
+
+# --------------------------------------------------------------------------- collapse
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` points, skipping NaN (NaN where all are NaN)."""
+    from services.plots import smooth
+
+    return smooth(values, window)
+
+
+def detect_collapse(values: list[float], rule: CollapseRule) -> CollapseCheck:
+    """Apply the collapse rule (module docstring) to one per-step series.
+
+    Example (window 1, drop 0.2, last_k 2): ``[0.2, 0.6, 0.3, 0.35]`` -> best before the
+    last 2 steps = 0.6, last two 0.3 and 0.35 are both < 0.6 - 0.2 = 0.4: collapsed.
+
+    Returns:
+        :class:`CollapseCheck`; ``collapsed`` None when fewer than ``last_k + 1`` finite
+        values exist.
+    """
+    smoothed = [v for v in moving_average(values, rule.window) if not math.isnan(v)]
+    if len(smoothed) < rule.last_k + 1:
+        return CollapseCheck(None, math.nan, math.nan)
+    before, last = smoothed[: -rule.last_k], smoothed[-rule.last_k :]
+    best = max(before)
+    return CollapseCheck(all(v < best - rule.drop for v in last), best, max(last))
+
+
+def run_collapsed(steps: list[dict[str, Any]], rule: CollapseRule) -> bool | None:
+    """:func:`detect_collapse` on each of ``rule.metrics``: True if any collapsed, None if
+    none could be judged, else False."""
+    checks = [detect_collapse(_series(steps, m), rule).collapsed for m in rule.metrics]
+    if any(c is True for c in checks):
+        return True
+    if all(c is None for c in checks):
+        return None
+    return False
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Records of a JSONL file ([] when the file does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _series(records: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) if isinstance(r.get(key), int | float) else math.nan for r in records]
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def _max(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return max(finite) if finite else math.nan
+
+
+def summarize_run(run_dir: Path, rule: CollapseRule, seed: int = 0) -> RunSummary:
+    """Summarise one finished (or partial) run from its ``steps.jsonl``, ``eval.jsonl`` and
+    ``config.json``.
+
+    Validation success: ``eval.jsonl`` records tagged ``start`` (after any warm start,
+    before RL) and ``end``; "best" is over every record except ``before_warm_start``.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` has no ``config.json`` (not a run directory).
+    """
+    config_path = run_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} not found: is {run_dir} a run directory?")
+    cfg = json.loads(config_path.read_text())
+    steps = read_jsonl(run_dir / "steps.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    by_tag = {e.get("tag"): e for e in evals}
+    rl_evals = [e for e in evals if e.get("tag") != "before_warm_start"]
+    train = _series(steps, "success_rate")
+    return RunSummary(
+        run=run_dir.name,
+        variant=str(steps[-1]["variant"]) if steps else str(cfg["algorithm"]["variant"]),
+        max_staleness=int(cfg["buffer"]["max_staleness"]),
+        seed=int(cfg["run"].get("seed", seed)),
+        num_steps=len(steps),
+        val_success_start=float(by_tag.get("start", {}).get("success_rate", math.nan)),
+        val_success_final=float(by_tag.get("end", {}).get("success_rate", math.nan)),
+        val_success_best=_max(_series(rl_evals, "success_rate")),
+        train_success_first=train[0] if train else math.nan,
+        train_success_last=train[-1] if train else math.nan,
+        train_success_best=_max(train),
+        collapsed=run_collapsed(steps, rule),
+        clip_ratio_mean=_mean(_series(steps, "clip_ratio")),
+        approx_kl_mean=_mean(_series(steps, "approx_kl")),
+        clip_bias_norm_mean=_mean(_series(steps, "clip_bias_norm")),
+        staleness_mean=_mean(_series(steps, "staleness_mean")),
+        wall_s=float(steps[-1].get("elapsed_s", math.nan)) if steps else math.nan,
+    )
+
+
+SUMMARY_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("run", "run"),
+    ("variant", "variant"),
+    ("max_staleness", "max staleness"),
+    ("seed", "seed"),
+    ("num_steps", "steps"),
+    ("val_success_start", "val success (RL start)"),
+    ("val_success_final", "val success (final)"),
+    ("val_success_best", "val success (best)"),
+    ("train_success_first", "train success (step 1)"),
+    ("train_success_last", "train success (last)"),
+    ("collapsed", "collapse"),
+    ("clip_ratio_mean", "clip ratio (mean)"),
+    ("approx_kl_mean", "approx KL (mean)"),
+    ("clip_bias_norm_mean", "||C|| (mean)"),
+    ("staleness_mean", "staleness (mean)"),
+    ("wall_s", "wall s"),
+)
+"""(RunSummary field, markdown header), in table order."""
+
+
+def format_cell(value: Any) -> str:
+    """Markdown cell text: ``yes``/``no``/``n/a`` for collapse, 3 decimals for floats,
+    ``-`` for NaN."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.3f}"
+    return str(value)
+
+
+def summary_markdown(summaries: list[RunSummary], rule: CollapseRule) -> str:
+    """The summary as a markdown table, with the collapse rule stated under it."""
+    header = [title for _, title in SUMMARY_COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for s in summaries:
+        lines.append(
+            "| " + " | ".join(format_cell(getattr(s, f)) for f, _ in SUMMARY_COLUMNS) + " |"
+        )
+    lines.append("")
+    lines.append(
+        f"Collapse: the last {rule.last_k} steps of {' or '.join(rule.metrics)} (moving average "
+        f"of {rule.window}) all more than {rule.drop} below the best earlier value; "
+        f"n/a = fewer than {rule.last_k + 1} steps."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _json_safe(value: Any) -> Any:
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def write_summary(
+    summaries: list[RunSummary], rule: CollapseRule, out_dir: Path, extra: dict[str, Any]
+) -> tuple[Path, Path]:
+    """Write ``summary.json`` (NaN as null) and ``summary.md`` under ``out_dir``; returns
+    their paths ``(json, markdown)``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [{k: _json_safe(v) for k, v in asdict(s).items()} for s in summaries]
+    payload = {**extra, "collapse_rule": rule.model_dump(), "runs": rows}
+    json_path = out_dir / "summary.json"
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    md_path = out_dir / "summary.md"
+    md_path.write_text(summary_markdown(summaries, rule))
+    return json_path, md_path
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class ExperimentResult:
+    """What :func:`run_experiment` produced."""
+
+    summaries: list[RunSummary]
+    summary_json: Path
+    summary_md: Path
+    figure: Path | None
+    wall_s: float
+
+
+def run_experiment(
+    name: str,
+    output_dir: Path = Path("runs/experiments"),
+    extra_overrides: list[str] | None = None,
+    experiments_dir: Path = EXPERIMENTS_DIR,
+    skip_finished: bool = True,
+    max_run_s: float | None = None,
+) -> ExperimentResult:
+    """Run every planned run of experiment ``name`` in turn, then summarise and plot.
+
+    A run whose directory already holds a final ``eval.jsonl`` record (tag ``end``) is not
+    run again when ``skip_finished`` (so an interrupted grid continues where it stopped).
+    ``max_run_s`` replaces the spec's :attr:`ExperimentSpec.max_run_s` when given.
+
+    Raises:
+        ConfigError: unknown experiment or invalid config.
+    """
+    spec = load_experiment(experiment_path(name, experiments_dir))
+    cap_s = spec.max_run_s if max_run_s is None else max_run_s
+    warm = plan_warm_start(spec, name, output_dir, extra_overrides)
+    planned = plan_runs(spec, name, output_dir, extra_overrides)
+    start = time.perf_counter()
+    if warm is not None:
+        _run_warm_start(warm, warm_start_policy_dir(spec, name, output_dir), skip_finished)
+    for i, run in enumerate(planned, 1):
+        run_dir = run.config.run_dir
+        if skip_finished and any(e.get("tag") == "end" for e in read_jsonl(run_dir / "eval.jsonl")):
+            print(f"[experiment {name}] {i}/{len(planned)} {run.name}: finished before, skipped")
+            continue
+        if run_dir.exists():
+            _clear_partial_run(run_dir)
+        print(
+            f"[experiment {name}] {i}/{len(planned)} {run.name}: {run.grid_values} seed {run.seed}"
+        )
+        try:
+            train_with_time_cap(run.config, cap_s)
+        finally:
+            _detach_run_log(run_dir)
+    result = summarize_experiment(name, output_dir, extra_overrides, experiments_dir, cap_s)
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def summarize_experiment(
+    name: str,
+    output_dir: Path = Path("runs/experiments"),
+    extra_overrides: list[str] | None = None,
+    experiments_dir: Path = EXPERIMENTS_DIR,
+    max_run_s: float | None = None,
+) -> ExperimentResult:
+    """Write ``summary.json``, ``summary.md`` and ``curves.png`` of experiment ``name`` from
+    the run directories as they are now (runs not started yet are left out; a run in
+    progress is summarised up to its last logged step).
+
+    Raises:
+        ConfigError: unknown experiment or invalid config.
+    """
+    from services.plots import plot_runs
+
+    spec = load_experiment(experiment_path(name, experiments_dir))
+    warm = plan_warm_start(spec, name, output_dir, extra_overrides)
+    planned = plan_runs(spec, name, output_dir, extra_overrides)
+    started = [r for r in planned if (r.config.run_dir / "config.json").exists()]
+    summaries = [summarize_run(r.config.run_dir, spec.collapse, r.seed) for r in started]
+    extra = {
+        "experiment": name,
+        "description": spec.description,
+        "num_steps": spec.num_steps,
+        "seeds": spec.seeds,
+        "grid": spec.grid,
+        "max_run_s": spec.max_run_s if max_run_s is None else max_run_s,
+        "runs_planned": [r.name for r in planned],
+        "warm_start": read_jsonl(warm.config.run_dir / "sft.jsonl") if warm else None,
+    }
+    out_dir = output_dir / name
+    json_path, md_path = write_summary(summaries, spec.collapse, out_dir, extra)
+    with_steps = [r.config.run_dir for r, s in zip(started, summaries, strict=True) if s.num_steps]
+    figure = plot_runs(with_steps, out_dir / "curves.png") if with_steps else None
+    return ExperimentResult(summaries, json_path, md_path, figure, 0.0)
+
+
+def train_with_time_cap(cfg: RunConfig, max_run_s: float) -> Any:
+    """``services.driver.Driver(cfg, max_train_s=max_run_s).run()``: a cap on the training
+    loop (0 = none), counted from the loop's start (after startup, warm start and the
+    ``start`` evaluation); the step in progress finishes and the run checkpoints and
+    evaluates as usual. Returns the driver's final state.
+    """
+    from services.driver import Driver
+
+    return Driver(cfg, max_train_s=max_run_s).run()
+
+
+def _run_warm_start(warm: PlannedRun, policy_dir: Path, skip_finished: bool) -> None:
+    """Run the shared warm start unless its policy export exists (and ``skip_finished``).
+
+    Raises:
+        RuntimeError: the run finished without exporting ``policy_dir``.
+    """
+    from services.driver import run_training
+
+    if skip_finished and (policy_dir / "config.json").exists():
+        print(f"[experiment] shared warm start exported before: {policy_dir}")
+        return
+    if warm.config.run_dir.exists():
+        _clear_partial_run(warm.config.run_dir)
+    print(f"[experiment] shared warm start -> {policy_dir}")
+    try:
+        run_training(warm.config)
+    finally:
+        _detach_run_log(warm.config.run_dir)
+    if not (policy_dir / "config.json").exists():
+        raise RuntimeError(f"the warm start did not export its policy to {policy_dir}")
+
+
+def _clear_partial_run(run_dir: Path) -> None:
+    """Remove the logs of an unfinished run so the rerun's JSONL starts empty."""
+    import shutil
+
+    for name in ("steps.jsonl", "eval.jsonl", "sft.jsonl", "config_changes.jsonl"):
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
+def _detach_run_log(run_dir: Path) -> None:
+    """Close the driver's ``driver.log`` handler of ``run_dir``, so the next run of the grid
+    (same process) does not also write into this run's log."""
+    import logging
+
+    logger = logging.getLogger("stppo")
+    for handler in list(logger.handlers):
+        path = getattr(handler, "baseFilename", None)
+        if path is not None and Path(path).parent == run_dir.resolve():
+            logger.removeHandler(handler)
+            handler.close()

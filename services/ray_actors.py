@@ -1,0 +1,84 @@
+"""Ray actor wrappers of the plain classes: resources, placement and restarts only.
+
+The classes themselves (``actors.rollout.RolloutWorker``, ``learner.trainer.Learner``,
+``learner.buffer.StalenessBuffer``) know nothing about Ray; they are wrapped here at the
+call site, as in vLLM's RLHF example and Ray's parameter-server example.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+from services.config import RunConfig
+from services.env import configure_local_caches
+
+_ACTOR_ENV_VARS = (
+    "HF_HOME", "TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT",
+    "TRITON_CACHE_DIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+    "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY",
+)  # fmt: skip
+
+
+def _actor_env() -> dict[str, Any]:
+    """Runtime env passing the driver's cache folders and offline mode to actors explicitly,
+    so a worker started on another node of a KubeRay cluster behaves the same."""
+    configure_local_caches()
+    env = {k: os.environ[k] for k in _ACTOR_ENV_VARS if k in os.environ}
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    return {"env_vars": env}
+
+
+def create_rollout_actor(cfg: RunConfig, retrieval_url: str, index: int) -> Any:
+    """One rollout actor (engine + multi-turn loop), restarted by Ray up to
+    ``ray.max_actor_restarts`` times after a crash (the driver re-syncs its weights)."""
+    from actors.rollout import RolloutWorker
+
+    cls = ray.remote(RolloutWorker).options(
+        name=f"rollout-{cfg.run.name}-{index}",
+        num_cpus=cfg.ray.rollout_actor_cpus,
+        num_gpus=cfg.ray.rollout_actor_gpus,
+        max_restarts=cfg.ray.max_actor_restarts,
+        max_task_retries=0,  # a failed rollout is dropped and counted, never silently re-run
+        runtime_env=_actor_env(),
+    )
+    return cls.remote(
+        model_path=str(cfg.model.path),
+        rollout_cfg=cfg.rollout,
+        retrieval_url=retrieval_url,
+        seed=cfg.run.seed * 1000 + index,
+    )
+
+
+def create_learner_actor(cfg: RunConfig) -> Any:
+    """The DeepSpeed learner (policy, critic, reference) in its own process."""
+    from learner.trainer import Learner
+
+    cls = ray.remote(Learner).options(
+        name=f"learner-{cfg.run.name}",
+        num_cpus=cfg.ray.learner_cpus,
+        num_gpus=cfg.ray.learner_gpus,
+        max_restarts=0,
+        runtime_env=_actor_env(),
+    )
+    return cls.remote(
+        str(cfg.model.path),
+        cfg.learner,
+        cfg.algorithm,
+        seed=cfg.run.seed,
+        temperature=cfg.rollout.temperature,
+    )
+
+
+def create_buffer_actor(cfg: RunConfig) -> Any:
+    """The staleness-tagged buffer (tiny CPU footprint)."""
+    from learner.buffer import StalenessBuffer
+
+    cls = ray.remote(StalenessBuffer).options(name=f"buffer-{cfg.run.name}", num_cpus=0)
+    return cls.remote(
+        capacity=cfg.buffer.capacity,
+        max_staleness=cfg.buffer.max_staleness,
+        stale_policy=cfg.buffer.stale_policy,
+    )
