@@ -1,0 +1,80 @@
+"""Shared builders for learner tests (importable because pytest puts ``tests/`` on sys.path
+for the root conftest)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from actors.trajectory import Trajectory
+from learner.batch import collate_trajectories
+from learner.modeling import response_logits, token_logprobs
+
+
+def make_trajectory(
+    prompt: list[int],
+    response: list[int],
+    loss_mask: list[int],
+    behavior_logprobs: list[float] | None = None,
+    *,
+    reward: float = 1.0,
+    group_id: str = "g0",
+) -> Trajectory:
+    """A valid Trajectory; turn ids derived from the mask (k-th run of ones = turn k)."""
+    mask = np.asarray(loss_mask, dtype=np.int8)
+    turn_ids = np.full(len(mask), -1, dtype=np.int32)
+    turn, previous = -1, 0
+    for t, m in enumerate(mask):
+        if m and not previous:
+            turn += 1
+        if m:
+            turn_ids[t] = turn
+        previous = m
+    if behavior_logprobs is None:
+        behavior_logprobs = [-0.5 * m for m in loss_mask]
+    return Trajectory(
+        prompt_ids=np.asarray(prompt, dtype=np.int64),
+        response_ids=np.asarray(response, dtype=np.int64),
+        loss_mask=mask,
+        turn_ids=turn_ids,
+        behavior_logprobs=np.asarray(behavior_logprobs, dtype=np.float32),
+        reward=reward,
+        success=reward > 0,
+        num_searches=int(turn_ids.max()),
+        num_turns=int(turn_ids.max()) + 1,
+        policy_version_min=3,
+        policy_version_max=3,
+        group_id=group_id,
+        question_id=f"q/{group_id}",
+        data_source="single_hop",
+        finish_reason="answer",
+    ).validate()
+
+
+def make_batch(seed: int, num: int = 4) -> list[Trajectory]:
+    """``num`` two-turn trajectories in groups of 2, rewards 1, 0, 1, 0, ...; behaviour
+    log-probs drawn far from the random model's (about -10.8 = -log 49152), so tokens clip."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num):
+        mask = [1] * 4 + [0] * 3 + [1] * 3
+        out.append(
+            make_trajectory(
+                rng.integers(10, 1000, 5 + i).tolist(),
+                rng.integers(10, 1000, len(mask)).tolist(),
+                mask,
+                [-float(rng.uniform(8.0, 13.0)) * m for m in mask],
+                reward=float(i % 2 == 0),
+                group_id=f"g{i // 2}",
+            )
+        )
+    return out
+
+
+def expected_sft_loss(model: torch.nn.Module, trajectories: list[Trajectory], pad_id: int) -> float:
+    """Token-mean cross-entropy over policy tokens, computed by hand on a plain HF model:
+    what ``Learner.supervised_step`` must report for the same weights and batch."""
+    batch = collate_trajectories(trajectories, pad_id)
+    with torch.no_grad():
+        logp = token_logprobs(response_logits(model, batch), batch.response_ids)
+    return float(-(logp * batch.loss_mask).sum() / batch.loss_mask.sum())

@@ -1,0 +1,112 @@
+"""Collation of trajectories into the learner's padded layout (learner/batch.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from learner_factories import make_trajectory
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from actors.trajectory import Trajectory
+from learner.batch import collate_trajectories
+from learner.modeling import response_logits, token_logprobs
+
+PAD = 0
+
+
+def _two_trajectories() -> list[Trajectory]:
+    # row 0: prompt [5, 6], response [8, 9, 10, 11]: turn 0 = [8], env = [9, 10], turn 1 = [11]
+    # row 1: prompt [7],    response [12, 13]:       turn 0 = [12, 13]
+    return [
+        make_trajectory([5, 6], [8, 9, 10, 11], [1, 0, 0, 1], [-0.1, 0, 0, -0.4], group_id="a"),
+        make_trajectory([7], [12, 13], [1, 1], [-0.2, -0.3], reward=0.0, group_id="b"),
+    ]
+
+
+def test_collate_hand_checked_layout():
+    batch = collate_trajectories(_two_trajectories(), pad_token_id=PAD)
+    # P = max(2, 1) = 2, T = max(4, 2) = 4, L = 6
+    assert batch.prompt_width == 2
+    assert batch.input_ids.tolist() == [[5, 6, 8, 9, 10, 11], [PAD, 7, 12, 13, PAD, PAD]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]]
+    # positions count real tokens only: row 1 starts at 0 in column 1
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 0, 1, 2, 2, 2]]
+    assert batch.response_ids.tolist() == [[8, 9, 10, 11], [12, 13, PAD, PAD]]
+    assert batch.loss_mask.tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]
+    assert batch.response_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch.turn_ids.tolist() == [[0, -1, -1, 1], [0, 0, -1, -1]]
+    torch.testing.assert_close(
+        batch.behavior_logprobs, torch.tensor([[-0.1, 0, 0, -0.4], [-0.2, -0.3, 0, 0]])
+    )
+    assert batch.last_policy_index.tolist() == [3, 1]
+    assert batch.rewards.tolist() == [1.0, 0.0]
+    assert batch.group_ids.tolist() == [0, 1]
+    assert batch.num_policy_tokens == 4
+    assert batch.num_tokens == 6 + 3
+
+
+def test_select_trims_padding_columns():
+    batch = collate_trajectories(_two_trajectories(), pad_token_id=PAD)
+    row1 = batch.select([1])
+    # only row 1: P = 1, T = 2
+    assert row1.input_ids.tolist() == [[7, 12, 13]]
+    assert row1.position_ids.tolist() == [[0, 1, 2]]
+    assert row1.loss_mask.tolist() == [[1, 1]]
+    assert row1.turn_ids.tolist() == [[0, 0]]
+    torch.testing.assert_close(row1.behavior_logprobs, torch.tensor([[-0.2, -0.3]]))
+    assert row1.last_policy_index.tolist() == [1]
+    swapped = batch.select([1, 0])
+    assert swapped.input_ids.tolist() == [[PAD, 7, 12, 13, PAD, PAD], [5, 6, 8, 9, 10, 11]]
+
+
+def test_group_ids_first_seen_order():
+    trajs = [
+        make_trajectory([1], [2], [1], group_id="x"),
+        make_trajectory([1], [2], [1], group_id="y"),
+        make_trajectory([1], [2], [1], group_id="x"),
+    ]
+    assert collate_trajectories(trajs, PAD).group_ids.tolist() == [0, 1, 0]
+
+
+def test_collate_rejects_bad_input():
+    with pytest.raises(ValueError, match="at least one"):
+        collate_trajectories([], PAD)
+    no_policy = make_trajectory([1], [2, 3], [1, 0])
+    no_policy.loss_mask[:] = 0
+    no_policy.turn_ids[:] = -1
+    no_policy.behavior_logprobs[:] = 0.0
+    with pytest.raises(ValueError, match="no policy tokens"):
+        collate_trajectories([no_policy], PAD)
+    broken = make_trajectory([1], [2, 3], [1, 1])
+    broken.turn_ids[1] = -1  # mask says policy token, turn id says environment
+    with pytest.raises(ValueError, match="trajectory 0"):
+        collate_trajectories([broken], PAD)
+
+
+def test_response_logprobs_match_unpadded_shifted_forward():
+    """The [B, T] log-probs of the padded batch equal the textbook per-sequence computation
+    logits[:-1] -> tokens[1:] on each unpadded sequence, at every real response token."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = LlamaForCausalLM(config).eval()
+    trajs = [
+        make_trajectory([5, 6, 1], [8, 9, 10, 11], [1, 0, 0, 1]),
+        make_trajectory([7], [12, 13], [1, 1]),
+    ]
+    batch = collate_trajectories(trajs, pad_token_id=PAD)
+    with torch.no_grad():
+        batched = token_logprobs(response_logits(model, batch), batch.response_ids)
+        for b, traj in enumerate(trajs):
+            seq = torch.from_numpy(np.concatenate([traj.prompt_ids, traj.response_ids]))[None]
+            logp = torch.log_softmax(model(input_ids=seq).logits[0, :-1].float(), dim=-1)
+            expected = logp.gather(-1, seq[0, 1:, None]).squeeze(-1)[-traj.num_response_tokens :]
+            got = batched[b, : traj.num_response_tokens]
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,126 @@
+"""Staleness-tagged buffer: drop-and-count, keep-and-record, capacity, admission control."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from actors.trajectory import Trajectory
+from learner.buffer import StalenessBuffer, is_too_stale, may_start_rollout, staleness_of
+
+
+def make_traj(
+    version: int, qid: str = "q", *, version_max: int | None = None, failed: bool = False
+) -> Trajectory:
+    return Trajectory(
+        prompt_ids=np.array([1, 2, 3]),
+        response_ids=np.array([4, 5, 6, 7]),
+        loss_mask=np.array([1, 1, 0, 1], dtype=np.int8),
+        turn_ids=np.array([0, 0, -1, 1], dtype=np.int32),
+        behavior_logprobs=np.array([-0.5, -1.0, 0.0, -0.2], dtype=np.float32),
+        reward=1.0,
+        success=True,
+        num_searches=1,
+        num_turns=2,
+        policy_version_min=version,
+        policy_version_max=version if version_max is None else version_max,
+        group_id="g",
+        question_id=qid,
+        data_source="single_hop",
+        finish_reason="answer",
+        retrieval_failed=failed,
+    ).validate()
+
+
+def test_staleness_uses_oldest_version_and_rejects_future():
+    t = make_traj(3, version_max=5)
+    assert staleness_of(t, 5) == 2
+    with pytest.raises(ValueError, match="policy_version_min=3 > learner_version=2"):
+        staleness_of(t, 2)
+
+
+def test_bound_is_inclusive():
+    assert not is_too_stale(1, max_staleness=1)
+    assert is_too_stale(2, max_staleness=1)
+    assert not is_too_stale(0, max_staleness=0)
+    assert is_too_stale(1, max_staleness=0)
+
+
+def test_take_drops_and_counts_stale_in_fifo_order():
+    buf = StalenessBuffer(capacity=10, max_staleness=1)
+    buf.put([make_traj(v, f"q{i}") for i, v in enumerate([0, 1, 2, 2, 0])])
+    # learner at version 2: staleness 2,1,0,0,2 -> q0 and q4 are over the bound
+    res = buf.take(3, learner_version=2)
+    assert [t.question_id for t in res.trajectories] == ["q1", "q2", "q3"]
+    assert res.staleness == [1, 0, 0]
+    assert res.dropped_stale == 1  # q0 met on the way; q4 still held
+    assert buf.stats().depth == 1
+    res2 = buf.take(3, learner_version=2)
+    assert res2.trajectories == [] and res2.dropped_stale == 1
+    s = buf.stats()
+    assert (s.taken_total, s.dropped_stale_total, s.depth) == (3, 2, 0)
+
+
+def test_keep_policy_consumes_and_records_staleness():
+    buf = StalenessBuffer(capacity=10, max_staleness=0, stale_policy="keep")
+    buf.put([make_traj(0, "a"), make_traj(3, "b")])
+    res = buf.take(5, learner_version=3)
+    assert [t.question_id for t in res.trajectories] == ["a", "b"]
+    assert res.staleness == [3, 0]
+    assert res.dropped_stale == 0
+
+
+def test_max_staleness_zero_is_on_policy():
+    buf = StalenessBuffer(capacity=10, max_staleness=0)
+    buf.put([make_traj(4, "old"), make_traj(5, "new")])
+    assert buf.num_ready(5) == 1
+    res = buf.take(2, learner_version=5)
+    assert [t.question_id for t in res.trajectories] == ["new"]
+    assert res.dropped_stale == 1
+
+
+def test_retrieval_failed_trajectories_are_never_trained_on():
+    buf = StalenessBuffer(capacity=10, max_staleness=5)
+    buf.put([make_traj(0, "bad", failed=True), make_traj(0, "ok")])
+    assert buf.num_ready(0) == 1
+    res = buf.take(2, learner_version=0)
+    assert [t.question_id for t in res.trajectories] == ["ok"]
+    assert res.dropped_retrieval_failed == 1
+    assert buf.stats().dropped_retrieval_failed_total == 1
+
+
+def test_capacity_backpressure_rejects_and_counts_overflow():
+    buf = StalenessBuffer(capacity=3, max_staleness=1)
+    assert buf.put([make_traj(0, f"q{i}") for i in range(5)]) == 3
+    assert buf.free_slots() == 0
+    s = buf.stats()
+    assert (s.depth, s.put_total, s.rejected_full_total) == (3, 3, 2)
+
+
+def test_live_bound_change_applies_to_next_take():
+    buf = StalenessBuffer(capacity=10, max_staleness=0)
+    buf.put([make_traj(1, "a")])
+    buf.set_max_staleness(2)
+    assert [t.question_id for t in buf.take(1, learner_version=3).trajectories] == ["a"]
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        buf.set_max_staleness(-1)
+
+
+def test_purge_stale_counts():
+    buf = StalenessBuffer(capacity=10, max_staleness=1)
+    buf.put([make_traj(0, "a"), make_traj(2, "b")])
+    assert buf.purge_stale(learner_version=3) == 1
+    assert buf.stats().dropped_stale_total == 1
+
+
+@pytest.mark.parametrize(
+    ("engine_v", "learner_v", "in_flight", "bound", "expected"),
+    [
+        (5, 5, False, 0, True),  # synchronous: fresh weights, learner idle -> go
+        (5, 5, True, 0, False),  # synchronous: a step is running -> wait for its weights
+        (4, 5, True, 2, True),  # consumed at >= 6: staleness 2 <= 2
+        (3, 5, True, 2, False),  # consumed at >= 6: staleness 3 > 2
+    ],
+)
+def test_admission_control(engine_v, learner_v, in_flight, bound, expected):
+    assert may_start_rollout(engine_v, learner_v, in_flight, bound) is expected

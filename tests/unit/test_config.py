@@ -1,0 +1,174 @@
+"""The config tree: every TOML in the repo loads; bad keys, types and bounds fail naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from learner.config import (
+    VARIANT_CONFIGS,
+    PPOConfig,
+    STPPOConfig,
+    uses_bias_correction,
+    uses_critic,
+)
+from services.config import ConfigError, RunConfig, apply_overrides, load_config, update_config
+from services.env import PROJECT_ROOT
+
+RUN_CONFIG_TOMLS = sorted((PROJECT_ROOT / "deploy").rglob("configs/*.toml"))
+
+
+def test_repo_has_run_configs():
+    names = {p.name for p in RUN_CONFIG_TOMLS}
+    assert "cpu_demo.toml" in names
+
+
+@pytest.mark.parametrize("path", RUN_CONFIG_TOMLS, ids=lambda p: str(p.relative_to(PROJECT_ROOT)))
+def test_every_toml_in_repo_loads(path: Path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+
+
+def test_default_variant_is_st_ppo():
+    cfg = load_config()
+    assert isinstance(cfg.algorithm, STPPOConfig)
+    assert uses_critic(cfg.algorithm) and uses_bias_correction(cfg.algorithm)
+
+
+def test_dotted_overrides_parse_toml_values():
+    cfg = load_config(
+        None, ["learner.actor_lr=1e-5", "algorithm.variant=ppo", "rollout.retrieval.topk=5"]
+    )
+    assert cfg.learner.actor_lr == 1e-5
+    assert isinstance(cfg.algorithm, PPOConfig)
+    assert cfg.rollout.retrieval.topk == 5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["learner.actor_lrr=1e-5"], "learner.actor_lrr: Extra inputs are not permitted"),
+        (["learner.actor_lr=-1"], "learner.actor_lr: Input should be greater than 0"),
+        (["learner.actor_lr='fast'"], "learner.actor_lr: Input should be a valid number"),
+        (
+            ["rollout.retrieval.topk=0"],
+            "rollout.retrieval.topk: Input should be greater than or equal to 1",
+        ),
+        (["buffer.max_staleness=-1"], "buffer.max_staleness"),
+        # tau exists only on the clipping-bias variants
+        (
+            ["algorithm.variant=ppo", "algorithm.tau=0.5"],
+            "algorithm.ppo.tau: Extra inputs are not permitted",
+        ),
+        (["algorithm.variant=sppo"], "does not match any of the expected tags"),
+        (
+            ["algorithm.variant=grpo", "rollout.group_size=1"],
+            "rollout.group_size must be >= 2 for grpo",
+        ),
+        (
+            ["learner.train_batch_size=6", "learner.mini_batch_size=4"],
+            "multiple of mini_batch_size",
+        ),
+    ],
+)
+def test_invalid_values_fail_naming_the_field(overrides, expected):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, overrides)
+    assert expected in str(exc.value)
+
+
+def test_unknown_toml_key_names_file_and_field(tmp_path: Path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[learner]\nactor_lr = 1e-5\nzero_stag = 2\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(bad)
+    assert str(exc.value) == f"{bad}: learner.zero_stag: Extra inputs are not permitted"
+
+
+def test_missing_file_and_bad_syntax_are_config_errors(tmp_path: Path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[learner\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(broken)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match=r"expected dotted\.key=value"):
+        apply_overrides({}, ["learner.actor_lr"])
+    with pytest.raises(ConfigError, match="is not a section"):
+        apply_overrides({"learner": 3}, ["learner.actor_lr=1"])
+
+
+def test_update_config_switches_variant_keeping_shared_fields():
+    cfg = load_config(
+        None, ["algorithm.variant=st_ppo", "algorithm.clip_eps_high=0.28", "algorithm.tau=0.5"]
+    )
+    # st_ppo -> grpo: shared fields (clip eps) survive, tau (not a grpo field) is dropped
+    new = update_config(cfg, {"algorithm": {"variant": "grpo"}})
+    assert new.algorithm.variant == "grpo"
+    assert new.algorithm.clip_eps_high == 0.28
+    assert not hasattr(new.algorithm, "tau")
+    assert cfg.algorithm.variant == "st_ppo"  # the original is untouched
+
+
+def test_update_config_is_all_or_nothing():
+    cfg = load_config()
+    with pytest.raises(ConfigError, match=r"buffer\.max_staleness"):
+        update_config(cfg, {"learner": {"actor_lr": 1e-4}, "buffer": {"max_staleness": -3}})
+    assert cfg.learner.actor_lr == load_config().learner.actor_lr
+
+
+def test_every_field_has_a_docstring():
+    missing = []
+
+    def walk(model, prefix):
+        for name, field in model.model_fields.items():
+            if not field.description:
+                missing.append(f"{prefix}{name}")
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                walk(ann, f"{prefix}{name}.")
+
+    walk(RunConfig, "")
+    for variant, cls in VARIANT_CONFIGS.items():
+        walk(cls, f"algorithm[{variant}].")
+    assert missing == []
+
+
+def test_cli_reports_invalid_key_in_one_line(tmp_path: Path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[buffer]\nmax_stalenes = 2\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "config", f"@{bad}"],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip() == f"error: {bad}: buffer.max_stalenes: Extra inputs are not permitted"
+    )
+
+
+def test_cli_help_lists_subcommands_without_heavy_imports():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from services.cli import app\n"
+        "r = CliRunner().invoke(app, ['--help'])\n"
+        "print(r.output)\n"
+        "heavy = [m for m in ('torch', 'ray', 'vllm', 'deepspeed', 'transformers') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=60
+    )
+    for cmd in ("train", "prepare", "serve-retrieval", "eval", "ctl", "config", "plot"):
+        assert cmd in proc.stdout
+    assert "HEAVY []" in proc.stdout
