@@ -14,6 +14,7 @@ side. Every mode is scored by the same reward code (:func:`actors.reward.compute
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -278,7 +279,8 @@ def print_eval_tables(scores: list[SetScore], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # Rich wraps at 80 columns when stdout is not a terminal (logs, CI): give tables room
+    console = Console(width=None if sys.stdout.isatty() else 160)
     header, rows = side_by_side(scores)
     summary = Table(title=f"{title}: exact match / accuracy")
     for col in header:

@@ -7,7 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.evaluate import resolve_policy_dir, score_set, summarize_eval
+from services.evaluate import (
+    SetScore,
+    print_eval_tables,
+    resolve_policy_dir,
+    score_set,
+    summarize_eval,
+)
 
 
 def traj(
@@ -67,3 +73,20 @@ def test_resolve_policy_dir(tmp_path: Path):
         resolve_policy_dir(config_only, base)
     with pytest.raises(FileNotFoundError, match="neither an HF model folder"):
         resolve_policy_dir(tmp_path / "empty", base)
+
+
+def test_eval_tables_are_not_wrapped_when_piped(capsys):
+    """Piped to a log (not a TTY), Rich would wrap at 80 columns and split each row over
+    several lines; every set's row must stay on one line with all its cells."""
+    scores = [
+        SetScore(name, 8, rate, 1.25, 2.0, 0.125, 0, mode)
+        for name in ("single_hop", "multi_hop", "medical_mc")
+        for mode, rate in (("closed_book", 0.0), ("rag", 0.375), ("agent", 0.875))
+    ]
+    print_eval_tables(scores, "runs/some/rather/long/checkpoint/path/hf_policy on validation")
+    lines = capsys.readouterr().out.splitlines()
+    for name in ("single_hop", "multi_hop", "medical_mc"):
+        (summary_row,) = [ln for ln in lines if name in ln and "1.25" not in ln]
+        assert [c for c in summary_row.split() if "." in c] == ["0.000", "0.375", "0.875"]
+        detail_rows = [ln for ln in lines if name in ln and "1.25" in ln]
+        assert len(detail_rows) == 3 and all("0.12" in ln for ln in detail_rows)
