@@ -542,8 +542,6 @@ class Driver:
 
     def _sync_weights(self, blocking: bool) -> float:
         """Push the learner's current weights to every engine; returns the export seconds."""
-        import ray
-
         handle = self.weight_sync.push(
             self.learner, [s.handle for s in self.slots], self.state.policy_version
         )
@@ -552,8 +550,8 @@ class Driver:
             slot.engine_version = handle.policy_version
         self._track_acks(handle.acks)
         if blocking:
+            # _on_sync_ack blocks on the ack and tolerates a crashed actor (re-synced later)
             for ack in list(handle.acks):
-                ray.get(ack)
                 self._on_sync_ack(ack)
         return handle.export_s
 
