@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from rollout_fakes import TableRetriever
 from transformers import AutoTokenizer
 
 from actors.baselines import run_single_turn
@@ -19,7 +20,7 @@ from actors.prompts import (
     prompt_ids,
     prompt_messages,
 )
-from actors.retrieval_client import Passage, RetrievalFailed
+from actors.retrieval_client import Passage
 from services.evaluate import parse_modes, score_set, side_by_side
 
 LIMA = Passage("1", "Lima", "Lima is the capital and largest city of Peru.", 7.5)
@@ -44,21 +45,6 @@ MC_Q = {
     "data_source": "medical_mc",
     "metadata": {"options": {"A": "A", "B": "B12", "C": "C", "D": "D"}, "answer_letter": "C"},
 }
-
-
-class TableRetriever:
-    """In-process retriever: query -> passages; ``fail=True`` raises like the HTTP client."""
-
-    def __init__(self, table: dict[str, list[Passage]], fail: bool = False):
-        self.table = table
-        self.fail = fail
-        self.requests: list[list[str]] = []
-
-    def retrieve(self, queries: list[str]) -> list[list[Passage]]:
-        self.requests.append(list(queries))
-        if self.fail:
-            raise RetrievalFailed("/retrieve failed after 4 attempt(s): HTTP 503", 4, "http_503")
-        return [self.table[q] for q in queries]
 
 
 @pytest.fixture(scope="module")

@@ -9,29 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from rollout_fakes import TableRetriever
 from transformers import AutoTokenizer
 
 from actors.config import RolloutConfig
 from actors.engines.scripted import ScriptedEngine
 from actors.prompts import INVALID_SEARCH_MESSAGE, information_ids, prompt_ids
-from actors.retrieval_client import Passage, RetrievalFailed
+from actors.retrieval_client import Passage
 from actors.rollout import run_rollout
-
-
-class TableRetriever:
-    """In-process retriever: query -> passages; ``fail=True`` raises like the HTTP client."""
-
-    def __init__(self, table: dict[str, list[Passage]], fail: bool = False):
-        self.table = table
-        self.fail = fail
-        self.requests: list[list[str]] = []
-
-    def retrieve(self, queries: list[str]) -> list[list[Passage]]:
-        self.requests.append(list(queries))
-        if self.fail:
-            raise RetrievalFailed("/retrieve failed after 4 attempt(s): HTTP 500", 4, "http_500")
-        return [self.table[q] for q in queries]
-
 
 LIMA = Passage("p1", "Lima", "Lima is the capital of Peru.", 3.0)
 PERU = Passage("p2", "Peru", "Peru is a country in South America.", 2.0)
@@ -118,7 +103,7 @@ def test_episodes_are_batched_per_turn_and_queries_per_request(tok):
 def test_retrieval_failure_marks_trajectory_and_adds_no_information(tok):
     turn0 = "<search> capital of Peru </search>"
     engine = ScriptedEngine(tok, {"Q?": [turn0, "<answer>Lima</answer>"]})
-    retriever = TableRetriever({}, fail=True)
+    retriever = TableRetriever({}, fail=True, status=500)
     (traj,), stats = run_rollout(
         engine, tok, retriever, [record("Q?", "Lima")], ["g"], RolloutConfig()
     )
