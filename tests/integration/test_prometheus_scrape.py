@@ -54,32 +54,14 @@ def _scrape_config(target: str, scrape_interval_s: int) -> dict:
     return config
 
 
-def _wait_ready(api: str, deadline: float) -> None:
-    """Block until Prometheus answers ``/-/ready`` with 200.
-
-    While it replays or opens its TSDB it answers 503 "Service Unavailable" (plain text) on every
-    endpoint, the query API included; CI once read that body as JSON.
-    """
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            resp = httpx.get(f"{api}/-/ready", timeout=2.0)
-            if resp.status_code == 200:
-                return
-            last = f"HTTP {resp.status_code}: {resp.text.strip()}"
-        except httpx.HTTPError as e:
-            last = e
-        time.sleep(0.2)
-    raise AssertionError(f"Prometheus not ready within {WAIT_S} s; last answer: {last}")
-
-
 def _query_until(api: str, query: str, predicate, deadline: float) -> list[dict]:
     last: object = None
     while time.monotonic() < deadline:
         try:
             resp = httpx.get(f"{api}/api/v1/query", params={"query": query}, timeout=2.0)
             if resp.status_code != 200:
-                # not ready yet (503, plain text), or a transient error: ask again
+                # While Prometheus opens its TSDB it answers 503 "Service Unavailable" in plain
+                # text on every endpoint (CI once parsed that as JSON): not ready yet, ask again
                 last = f"HTTP {resp.status_code}: {resp.text.strip()}"
             else:
                 body = resp.json()
@@ -125,7 +107,6 @@ def test_prometheus_scrapes_clip_ratio(tmp_path: Path, metrics_endpoint):
     api = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + WAIT_S
-        _wait_ready(api, deadline)
         first = _query_until(api, "stppo_clip_ratio", lambda r: len(r) == 1, deadline)
         (series,) = first
         assert series["metric"]["__name__"] == "stppo_clip_ratio"
