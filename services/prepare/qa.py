@@ -36,6 +36,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from actors.scoring import normalize_answer
 from services.prepare import sources as S
@@ -1034,6 +1035,14 @@ def bm25_recall_at_k(
     Same BM25 set-up as the retrieval server: bm25s defaults (Lucene, k1=1.5, b=0.75),
     English stop words, Snowball English stemmer, over all passages.
     """
+    model, ids, stemmer = _bm25_index(passages)
+    return _recall_with(model, ids, stemmer, queries, targets, k)
+
+
+def _bm25_index(passages: dict[str, str]) -> tuple[Any, list[str], Any]:
+    """BM25 over ``passages`` (id -> text) as the retrieval server builds it: bm25s defaults,
+    English stop words, Snowball English stemmer. Returns ``(model, ids, stemmer)``, where
+    ``ids[j]`` is the passage id of document ``j``."""
     import bm25s
     import Stemmer
 
@@ -1044,7 +1053,7 @@ def bm25_recall_at_k(
     )
     model = bm25s.BM25()
     model.index(tokens, show_progress=False)
-    return _recall_with(model, ids, stemmer, queries, targets, k)
+    return model, ids, stemmer
 
 
 def _recall_with(
@@ -1066,16 +1075,7 @@ def retrieval_report(
     """BM25 recall@k of the answer passage: raw question (one hop) for every set, and for
     multi-hop also the demonstrator's second query (bridge hop). At most ``sample`` items
     per measurement (deterministic sample)."""
-    import bm25s
-    import Stemmer
-
-    ids = list(passages)
-    stemmer = Stemmer.Stemmer("english")
-    tokens = bm25s.tokenize(
-        [passages[i] for i in ids], stopwords="en", stemmer=stemmer, show_progress=False
-    )
-    model = bm25s.BM25()
-    model.index(tokens, show_progress=False)
+    model, ids, stemmer = _bm25_index(passages)
     rng = random.Random(SEED)
     report: dict = {"k": k}
     for name, recs in sets.items():
