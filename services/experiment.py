@@ -243,14 +243,31 @@ def plan_warm_start(
         "run.eval_questions": 0,
         "sft.enabled": True,
     }
+    cfg = _load_run_config(spec, WARM_START_RUN, {}, extra_overrides, fixed)
+    return PlannedRun(WARM_START_RUN, {}, seed, cfg)
+
+
+def _load_run_config(
+    spec: ExperimentSpec,
+    rname: str,
+    grid_values: dict[str, Any],
+    extra_overrides: list[str] | None,
+    fixed: dict[str, Any],
+) -> RunConfig:
+    """``spec.base_config`` with, later layers winning: ``spec.overrides``, the grid point,
+    ``extra_overrides`` (``dotted.key=value`` strings), then ``fixed``.
+
+    Raises:
+        ConfigError: the config does not validate (the message names the run).
+    """
     overrides = [f"{k}={_toml_value(v)}" for k, v in spec.overrides.items()]
+    overrides += [f"{k}={_toml_value(v)}" for k, v in grid_values.items()]
     overrides += list(extra_overrides or [])
     overrides += [f"{k}={_toml_value(v)}" for k, v in fixed.items()]
     try:
-        cfg = load_config(spec.base_config, overrides)
+        return load_config(spec.base_config, overrides)
     except ConfigError as e:
-        raise ConfigError(f"run {WARM_START_RUN}: {e}") from None
-    return PlannedRun(WARM_START_RUN, {}, seed, cfg)
+        raise ConfigError(f"run {rname}: {e}") from None
 
 
 def plan_runs(
@@ -285,14 +302,7 @@ def plan_runs(
                 "run.num_steps": spec.num_steps,
                 **shared,
             }
-            overrides = [f"{k}={_toml_value(v)}" for k, v in spec.overrides.items()]
-            overrides += [f"{k}={_toml_value(v)}" for k, v in grid_values.items()]
-            overrides += list(extra_overrides or [])
-            overrides += [f"{k}={_toml_value(v)}" for k, v in fixed.items()]
-            try:
-                cfg = load_config(spec.base_config, overrides)
-            except ConfigError as e:
-                raise ConfigError(f"run {rname}: {e}") from None
+            cfg = _load_run_config(spec, rname, grid_values, extra_overrides, fixed)
             planned.append(PlannedRun(rname, grid_values, seed, cfg))
     return planned
 
