@@ -61,7 +61,11 @@ class TrainingBatch:
         group_ids: int64 [B]. GRPO group index (first-seen order of ``Trajectory.group_id``).
         policy_version_min: int64 [B]. Oldest weight version behind each trajectory.
         old_logprobs, ref_logprobs, old_values, advantages, returns: float32 [B, T] or
-            None; filled by the learner before the optimisation epochs.
+            None; filled by the learner before the optimisation epochs. ``old_logprobs``
+            is the policy the clipped ratio is taken against (behaviour, or proximal for
+            decoupled PPO).
+        behavior_weights: float32 [B, T] or None; decoupled PPO's truncated
+            pi_prox / pi_behaviour (:func:`learner.losses.behavior_importance_weights`).
     """
 
     input_ids: Tensor
@@ -85,6 +89,7 @@ class TrainingBatch:
     old_values: Tensor | None = None
     advantages: Tensor | None = None
     returns: Tensor | None = None
+    behavior_weights: Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -16,6 +16,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+LOG_RATIO_CLAMP = 20.0
+"""Mirror of ``learner.losses.LOG_RATIO_CLAMP`` (the config imports no torch)."""
+
 
 class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors, assignments are validated."""
@@ -43,9 +46,11 @@ class _AlgorithmBase(StrictModel):
     """Where the KL to the frozen reference enters: subtracted from the token reward
     (Search-R1's PPO recipe), added to the loss, or not at all."""
 
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    """KL estimator against the reference policy (Schulman's k1 = log-ratio, k3 = unbiased,
-    always >= 0)."""
+    kl_estimator: Literal["low_var_kl", "k1", "k3"] = "low_var_kl"
+    """KL estimator against the reference policy, in the reward and in the loss (Schulman's
+    k1 = log-ratio, k3 = unbiased and >= 0 but unbounded; ``low_var_kl`` = k3 clamped to
+    [-10, 10] as in verl, the default: with k3 one token 12 nats from the reference gave
+    1.6e5 and outweighed every reward of its batch)."""
 
     kl_coef: float = Field(0.001, ge=0.0, le=10.0)
     """Weight of the KL-to-reference term (spec: 0.001)."""
@@ -53,9 +58,54 @@ class _AlgorithmBase(StrictModel):
     entropy_coef: float = Field(0.0, ge=0.0, le=1.0)
     """Weight of the entropy bonus (spec: off by default, 0.001 when used)."""
 
-    old_logprob_source: Literal["behavior", "recompute"] = "behavior"
-    """``logp_old`` used in the ratio: the behaviour log-probs recorded by the engine at
-    generation time, or log-probs recomputed by the learner before the first epoch."""
+    off_policy: Literal["decoupled", "behavior"] = "decoupled"
+    """RECONSTRUCTED (spec section 6). ``behavior``: the clipped ratio is pi_theta /
+    pi_behaviour, the section 2 objective as written. ``decoupled`` (AReaL's decoupled PPO):
+    the clipped ratio is taken against the proximal policy (log-probs recomputed at the
+    start of the learner step, one extra policy forward per step) and the truncated
+    behaviour weight pi_prox / pi_behaviour multiplies each token. Identical to PPO at
+    staleness 0; at staleness k the trust region is centred on the current weights instead
+    of weights k versions old."""
+
+    behavior_weight_cap: float = Field(2.0, gt=1.0, le=100.0)
+    """Decoupled PPO: largest behaviour weight pi_prox / pi_behaviour kept."""
+
+    behavior_weight_mode: Literal["truncate", "drop"] = "truncate"
+    """Decoupled PPO: above the cap the weight is truncated to it, or the token dropped."""
+
+    behavior_weight_level: Literal["token", "turn"] = "token"
+    """Decoupled PPO: per-token weights, or the turn's geometric mean per token."""
+
+    token_log_ratio_bound: float | None = Field(None, gt=0.0, le=LOG_RATIO_CLAMP)
+    """RECONSTRUCTED (spec section 6, GMPO). Bound (nats) on each token's log-ratio in the
+    direction its advantage pushes it, applied before the turn mean: a token beyond it
+    carries no gradient. ``None`` = off (the section 2 objective bit for bit)."""
+
+    clip_ratio_c: float | None = Field(3.0, gt=1.0, le=1000.0)
+    """Dual clip for A < 0 (Ye et al. 2020; verl's ``clip_ratio_c``, default 3): the token
+    loss is capped at ``-c A``, so a ratio above c carries no gradient. ``None`` = off.
+    Must exceed ``1 + clip_eps_high``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data: object) -> object:
+        if isinstance(data, dict) and "old_logprob_source" in data:
+            raise ValueError(
+                "old_logprob_source was removed: 'recompute' silently dropped the "
+                "behaviour-policy correction. Use off_policy = 'decoupled' (ratio against "
+                "recomputed proximal log-probs, times the truncated behaviour weight) or "
+                "'behavior' (ratio against the behaviour log-probs)"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _check_dual_clip(self) -> _AlgorithmBase:
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0 + self.clip_eps_high:
+            raise ValueError(
+                f"clip_ratio_c ({self.clip_ratio_c}) must be > 1 + clip_eps_high "
+                f"({1.0 + self.clip_eps_high})"
+            )
+        return self
 
 
 class _GAEFields(StrictModel):
@@ -92,7 +142,14 @@ class _BiasCorrectionFields(StrictModel):
     delta) whenever some token is clipped, else 1."""
 
     tau: float = Field(0.01, gt=0.0)
-    """Threshold on ||C|| above which the triggered scale starts shrinking the loss."""
+    """Threshold on ||C|| (one norm per optimizer step, over all its micro-batches) above
+    which the triggered scale starts shrinking the step."""
+
+    scale_target: Literal["update", "loss"] = "update"
+    """RECONSTRUCTED (spec section 6). Where the scale s acts: ``update`` multiplies that
+    optimizer step's learning rate (so the parameter update shrinks by s under AdamW);
+    ``loss`` multiplies the loss (spec section 2 as written; AdamW and gradient clipping
+    cancel most of it)."""
 
     delta: float = Field(1e-8, gt=0.0)
     """Stabiliser of the ``divide`` mode."""

@@ -13,7 +13,21 @@ whose notation is used here:
     L       = s * L_base,  s = stop_grad(scale(||C||))
 
 ``ratio_t`` is ``r_t = exp(logr_t)`` (token level: PPO, S-PPO, GRPO) or ``rho_k`` of the turn
-holding t (turn level: Turn-PPO, ST-PPO, SO-GRPO). ``w_t`` are the aggregation weights:
+holding t (turn level: Turn-PPO, ST-PPO, SO-GRPO).
+
+Stabilisers of spec section 6 (each off by default in these functions, so the objectives
+above hold bit for bit; the run config chooses the defaults):
+
+- token bound ``delta``: each token's log-ratio is bounded in the direction its advantage
+  pushes it before the turn mean (GMPO): ``logr_t <- min(logr_t, delta)`` where the
+  direction advantage is > 0, ``max(logr_t, -delta)`` where it is < 0 (the direction is A_t
+  for token ratios, the turn's mean advantage for turn ratios). A bounded token carries no
+  gradient, so one token cannot drift far inside an unclipped turn.
+- dual clip ``c`` (Ye et al. 2020, verl ``clip_ratio_c``): for A_t < 0 the per-token loss is
+  capped at ``-c A_t``, so a ratio above ``c`` carries no gradient; those tokens join Clip.
+- behaviour weights ``b_t`` (decoupled PPO, AReaL): the ratio is taken against a proximal
+  policy and ``b_t = pi_prox / pi_behaviour`` (truncated) multiplies each token's weight:
+  ``w_t <- w_t b_t`` in the loss and in C. ``w_t`` are the aggregation weights:
 ``m_t / N`` for ``token-mean`` and ``m_t / (n_i S)`` for ``seq-mean-token-mean`` (n_i masked
 tokens of sequence i, S sequences). The same weights define the loss and the clipped-token
 surrogate behind ||C||, so ``C`` is exactly the gradient the clip removes from the loss.
@@ -38,11 +52,16 @@ RatioLevel = Literal["token", "turn"]
 TurnAdvantage = Literal["token", "turn_mean"]
 NormalizeMode = Literal["triggered", "divide"]
 LossAggMode = Literal["token-mean", "seq-mean-token-mean"]
-KLEstimator = Literal["k1", "k3"]
+KLEstimator = Literal["k1", "k3", "low_var_kl"]
+BehaviorWeightMode = Literal["truncate", "drop"]
 
 LOG_RATIO_CLAMP = 20.0
 """|log ratio| bound applied before ``exp`` (token or turn level), so a very stale token gives
 a ratio of e^20 instead of inf; beyond the bound the ratio carries no gradient."""
+
+LOW_VAR_KL_BOUND = 10.0
+"""``low_var_kl`` is k3 clamped to [-bound, bound] (verl's ``low_var_kl``): one token pushed
+12 nats from the reference gives 10 instead of k3's 1.6e5."""
 
 DEFAULT_TAU = 0.01
 """Default threshold of the ``triggered`` clipping-bias scale (see :func:`clip_bias_scale`)."""
@@ -103,12 +122,15 @@ class ImportanceRatios:
         segment_ids: int64 [B*T]. Flat (sequence, turn) segment of each token; the sink
             segment ``B*T`` holds every unmasked token.
         segment_sizes: float [B*T + 1]. Masked tokens per segment (|T_k|); sink entry 0.
+        token_bounded: bool [B, T]. Masked tokens whose log-ratio the token bound replaced
+            (they carry no gradient); all False without a bound.
     """
 
     log_ratio: Tensor
     token_log_ratio: Tensor
     segment_ids: Tensor
     segment_sizes: Tensor
+    token_bounded: Tensor
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -252,21 +274,34 @@ def importance_log_ratios(
     turn_ids: Tensor,
     *,
     ratio_level: RatioLevel,
+    token_log_ratio_bound: float | None = None,
+    bound_direction: Tensor | None = None,
 ) -> ImportanceRatios:
     """Token (``r_t``) or turn-level geometric-mean (``rho_k``) log importance ratios.
 
     Spec section 2: ``log rho_k = (1/|T_k|) sum_{t in T_k} logr_t``; the gradient flows
     through rho_k (no stop-gradient), so each token of the turn receives 1/|T_k| of it.
+    With ``token_log_ratio_bound = delta`` (spec section 6, GMPO) each token's log-ratio is
+    first bounded in the direction of ``bound_direction``: ``min(logr_t, delta)`` where it
+    is > 0, ``max(logr_t, -delta)`` where it is < 0, unchanged where it is 0.
 
     Args:
         logprobs: float [B, T]. Learner log-probs of the taken tokens (may require grad).
-        old_logprobs: float [B, T]. Behaviour (or recomputed) log-probs; not differentiated.
+        old_logprobs: float [B, T]. Behaviour, proximal or recomputed log-probs; not
+            differentiated.
         loss_mask: [B, T]. 1 on policy tokens.
         turn_ids: int [B, T]. Turn index, -1 outside turns.
         ratio_level: ``"token"`` or ``"turn"``.
+        token_log_ratio_bound: delta > 0 in nats, or ``None`` (no bound: today's ratios
+            bit for bit).
+        bound_direction: float [B, T], the advantage whose sign picks the bounded side
+            (required with a bound).
 
     Returns:
         :class:`ImportanceRatios`, in float32 (float64 if ``logprobs`` is float64).
+
+    Raises:
+        ValueError: unknown level, a bound that is not > 0, or a bound without a direction.
     """
     _check_mode("ratio_level", ratio_level, _RATIO_LEVELS)
     dtype = _compute_dtype(logprobs)
@@ -275,19 +310,45 @@ def importance_log_ratios(
     token_log_ratio = torch.where(
         mask > 0, logprobs.to(dtype) - old_logprobs.detach().to(dtype), torch.zeros_like(mask)
     )
+    bounded_log_ratio, token_bounded = _bound_token_log_ratio(
+        token_log_ratio, mask, token_log_ratio_bound, bound_direction
+    )
     segment_ids = segment_ids_from_turns(turn_ids, loss_mask)
     num_segments = logprobs.numel() + 1
     segment_sizes = segment_sum(mask.reshape(-1), segment_ids, num_segments)
     if ratio_level == "token":
-        log_ratio = token_log_ratio
+        log_ratio = bounded_log_ratio
     else:
-        log_ratio = segment_broadcast_mean(token_log_ratio, mask, segment_ids, num_segments) * mask
+        log_ratio = (
+            segment_broadcast_mean(bounded_log_ratio, mask, segment_ids, num_segments) * mask
+        )
     return ImportanceRatios(
         log_ratio=log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
         token_log_ratio=token_log_ratio,
         segment_ids=segment_ids,
         segment_sizes=segment_sizes,
+        token_bounded=token_bounded,
     )
+
+
+def _bound_token_log_ratio(
+    token_log_ratio: Tensor, mask: Tensor, bound: float | None, direction: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """(bounded log-ratio [B, T], bool [B, T] where the bound replaced it); see
+    :func:`importance_log_ratios`. ``min``/``max`` against a constant pass no gradient to
+    the replaced entries, which is the point."""
+    if bound is None:
+        return token_log_ratio, torch.zeros_like(mask, dtype=torch.bool)
+    if not bound > 0.0:
+        raise ValueError(f"token_log_ratio_bound must be > 0 (nats), got {bound}")
+    if direction is None:
+        raise ValueError("token_log_ratio_bound needs bound_direction (the advantages)")
+    up = (direction > 0) & (mask > 0)
+    down = (direction < 0) & (mask > 0)
+    bounded = torch.where(up, token_log_ratio.clamp(max=bound), token_log_ratio)
+    bounded = torch.where(down, bounded.clamp(min=-bound), bounded)
+    replaced = (up & (token_log_ratio > bound)) | (down & (token_log_ratio < -bound))
+    return bounded, replaced
 
 
 def effective_advantages(
@@ -353,10 +414,17 @@ class ClipSet:
     Attributes:
         high: ``m & A > 0 & ratio > 1 + eps_high`` (the upper clip is active).
         low: ``m & A < 0 & ratio < 1 - eps_low`` (the lower clip is active).
+        dual: ``m & A < 0 & ratio > clip_ratio_c`` (the dual clip is active); all False
+            without a dual clip.
     """
 
     high: Tensor
     low: Tensor
+    dual: Tensor
+
+    def any_side(self) -> Tensor:
+        """bool [B, T]: the whole Clip set (the three sides are disjoint)."""
+        return self.high | self.low | self.dual
 
 
 def clipped_token_mask(
@@ -366,12 +434,15 @@ def clipped_token_mask(
     *,
     clip_eps_low: float,
     clip_eps_high: float,
+    clip_ratio_c: float | None = None,
 ) -> ClipSet:
-    """Where the clipped branch of the PPO min is active (and carries no gradient).
+    """Where the clipped branch of the PPO min (or the dual clip) is active: those tokens
+    carry no gradient.
 
     Args:
         ratio: float [B, T] (r_t or rho_k per token). advantages: float [B, T].
         loss_mask: [B, T]. clip_eps_low, clip_eps_high: the clip range.
+        clip_ratio_c: dual-clip bound (> 1 + clip_eps_high) or ``None``.
 
     Returns:
         :class:`ClipSet`. Tokens with A = 0 are never clipped.
@@ -379,7 +450,11 @@ def clipped_token_mask(
     policy = loss_mask != 0
     high = policy & (advantages > 0) & (ratio > 1.0 + clip_eps_high)
     low = policy & (advantages < 0) & (ratio < 1.0 - clip_eps_low)
-    return ClipSet(high=high, low=low)
+    if clip_ratio_c is None:
+        dual = torch.zeros_like(high)
+    else:
+        dual = policy & (advantages < 0) & (ratio > clip_ratio_c)
+    return ClipSet(high=high, low=low, dual=dual)
 
 
 # --------------------------------------------------------------------------- clipping bias
@@ -412,15 +487,17 @@ def _clip_bias_logprob_grad_from_parts(
     with torch.no_grad():
         log_ratio = ratios.log_ratio.detach()
         in_range = (log_ratio.abs() < LOG_RATIO_CLAMP).to(log_ratio.dtype)
+        free = (~ratios.token_bounded).to(log_ratio.dtype)  # bounded tokens: no gradient
         per_token = weights * clipped.to(log_ratio.dtype) * torch.exp(log_ratio) * advantages
         per_token = per_token * in_range
         if ratio_level == "token":
-            return per_token
+            return per_token * free
         num_segments = per_token.numel() + 1
         turn_sum = segment_sum(per_token.reshape(-1), ratios.segment_ids, num_segments)
         turn_grad = turn_sum / ratios.segment_sizes.clamp_min(1.0)
         mask = (ratios.segment_ids < per_token.numel()).to(per_token.dtype)
-        return (turn_grad.gather(0, ratios.segment_ids) * mask).reshape(per_token.shape)
+        grad = (turn_grad.gather(0, ratios.segment_ids) * mask).reshape(per_token.shape)
+        return grad * free
 
 
 def clip_bias_scale(
@@ -482,8 +559,7 @@ class _SurrogateParts:
     ratio: Tensor
     advantages: Tensor
     weights: Tensor
-    clip_high: Tensor
-    clip_low: Tensor
+    clip: ClipSet
 
 
 def _surrogate_parts(
@@ -499,25 +575,61 @@ def _surrogate_parts(
     turn_advantage: TurnAdvantage,
     loss_agg_mode: LossAggMode,
     agg_denominator: float | Tensor | None,
+    token_log_ratio_bound: float | None,
+    clip_ratio_c: float | None,
+    behavior_weights: Tensor | None,
 ) -> _SurrogateParts:
     _check_policy_inputs(
         logprobs, old_logprobs, advantages, loss_mask, turn_ids, clip_eps_low, clip_eps_high
     )
-    ratios = importance_log_ratios(
-        logprobs, old_logprobs, loss_mask, turn_ids, ratio_level=ratio_level
-    )
-    dtype = ratios.log_ratio.dtype
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0 + clip_eps_high:
+        raise ValueError(
+            f"clip_ratio_c must be > 1 + clip_eps_high = {1.0 + clip_eps_high}, got {clip_ratio_c}"
+        )
+    if behavior_weights is not None and behavior_weights.shape != logprobs.shape:
+        raise ValueError(
+            f"behavior_weights shape {tuple(behavior_weights.shape)} != "
+            f"logprobs shape {tuple(logprobs.shape)}"
+        )
+    dtype = _compute_dtype(logprobs)
+    segment_ids = segment_ids_from_turns(turn_ids, loss_mask)
     adv = effective_advantages(
-        advantages.to(dtype), loss_mask, ratios.segment_ids, turn_advantage=turn_advantage
+        advantages.to(dtype), loss_mask, segment_ids, turn_advantage=turn_advantage
+    )
+    direction = None
+    if token_log_ratio_bound is not None:
+        # the sign that moves the token: its own A (token ratios) or the turn's mean A
+        direction = (
+            adv
+            if ratio_level == "token"
+            else effective_advantages(adv, loss_mask, segment_ids, turn_advantage="turn_mean")
+        )
+    ratios = importance_log_ratios(
+        logprobs,
+        old_logprobs,
+        loss_mask,
+        turn_ids,
+        ratio_level=ratio_level,
+        token_log_ratio_bound=token_log_ratio_bound,
+        bound_direction=direction,
     )
     ratio = torch.exp(ratios.log_ratio)
     clip_set = clipped_token_mask(
-        ratio.detach(), adv, loss_mask, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high
+        ratio.detach(),
+        adv,
+        loss_mask,
+        clip_eps_low=clip_eps_low,
+        clip_eps_high=clip_eps_high,
+        clip_ratio_c=clip_ratio_c,
     )
     weights = aggregation_weights(
         loss_mask, loss_agg_mode=loss_agg_mode, agg_denominator=agg_denominator, dtype=dtype
     )
-    return _SurrogateParts(ratios, ratio, adv, weights, clip_set.high, clip_set.low)
+    if behavior_weights is not None:
+        weights = weights * torch.where(
+            loss_mask != 0, behavior_weights.detach().to(dtype), torch.zeros_like(weights)
+        )
+    return _SurrogateParts(ratios, ratio, adv, weights, clip_set)
 
 
 def clip_bias_surrogate(
@@ -533,15 +645,19 @@ def clip_bias_surrogate(
     turn_advantage: TurnAdvantage = "token",
     loss_agg_mode: LossAggMode = "token-mean",
     agg_denominator: float | Tensor | None = None,
+    token_log_ratio_bound: float | None = None,
+    clip_ratio_c: float | None = None,
+    behavior_weights: Tensor | None = None,
 ) -> Tensor:
     """The clipped-token surrogate ``S = sum_{t in Clip} w_t ratio_t A_t`` (differentiable).
 
     Its gradient is the clipping bias C of spec section 2 (with token-mean weights,
-    ``w_t = 1/N``). For ``bias_norm: param`` the trainer takes
-    ``torch.autograd.grad(S, params)`` (one extra backward) and passes the norm to
-    :func:`compute_policy_loss` as ``clip_bias_norm``; for ``bias_norm: logprob`` the
-    gradient w.r.t. a detached leaf copy of ``logprobs`` equals
-    :func:`clip_bias_logprob_grad`. The Clip set is an indicator (not differentiated).
+    ``w_t = 1/N``; times ``b_t`` with behaviour weights). For ``bias_norm: param`` the
+    trainer takes ``torch.autograd.grad(S, params)`` (one extra backward) and passes the
+    norm to :func:`compute_policy_loss` as ``clip_bias_norm``; for ``bias_norm: logprob``
+    the gradient w.r.t. a detached leaf copy of ``logprobs`` equals
+    :func:`clip_bias_logprob_grad`. The Clip set (with the dual-clip side) is an indicator
+    (not differentiated).
 
     Args: as :func:`compute_policy_loss` (same shapes, same clip and aggregation options).
 
@@ -563,8 +679,11 @@ def clip_bias_surrogate(
         turn_advantage=turn_advantage,
         loss_agg_mode=loss_agg_mode,
         agg_denominator=agg_denominator,
+        token_log_ratio_bound=token_log_ratio_bound,
+        clip_ratio_c=clip_ratio_c,
+        behavior_weights=behavior_weights,
     )
-    clipped = (parts.clip_high | parts.clip_low).to(parts.ratio.dtype)
+    clipped = parts.clip.any_side().to(parts.ratio.dtype)
     return (parts.weights * clipped * parts.ratio * parts.advantages).sum()
 
 
@@ -581,15 +700,18 @@ def clip_bias_logprob_grad(
     turn_advantage: TurnAdvantage = "token",
     loss_agg_mode: LossAggMode = "token-mean",
     agg_denominator: float | Tensor | None = None,
+    token_log_ratio_bound: float | None = None,
+    clip_ratio_c: float | None = None,
+    behavior_weights: Tensor | None = None,
 ) -> Tensor:
     """The clipping bias C under ``bias_norm: logprob``, per token, in closed form.
 
     Gradient of :func:`clip_bias_surrogate` w.r.t. the [B, T] token log-probs, without
     autograd: token level ``w_t r_t A_t`` on clipped tokens; turn level
     ``(sum_{t in T_k cap Clip} w_t rho_k A_t) / |T_k|`` on every masked token of turn k
-    (spec section 2: ``(1/N) rho_k (sum of A over the clipped tokens of turn k) / |T_k|``).
-    ``||C||`` is its L2 norm; squared norms of micro-batches sharing one
-    ``agg_denominator`` add up to the mini-batch's.
+    (spec section 2: ``(1/N) rho_k (sum of A over the clipped tokens of turn k) / |T_k|``);
+    0 on tokens the token bound replaced. ``||C||`` is its L2 norm; squared norms of
+    micro-batches sharing one ``agg_denominator`` add up to the mini-batch's.
 
     Args: as :func:`compute_policy_loss`.
 
@@ -612,10 +734,16 @@ def clip_bias_logprob_grad(
         turn_advantage=turn_advantage,
         loss_agg_mode=loss_agg_mode,
         agg_denominator=agg_denominator,
+        token_log_ratio_bound=token_log_ratio_bound,
+        clip_ratio_c=clip_ratio_c,
+        behavior_weights=behavior_weights,
     )
-    clipped = parts.clip_high | parts.clip_low
     return _clip_bias_logprob_grad_from_parts(
-        parts.ratios, parts.advantages, clipped, parts.weights, ratio_level=ratio_level
+        parts.ratios,
+        parts.advantages,
+        parts.clip.any_side(),
+        parts.weights,
+        ratio_level=ratio_level,
     )
 
 
@@ -637,18 +765,24 @@ def compute_policy_loss(
     loss_agg_mode: LossAggMode = "token-mean",
     clip_bias_norm: Tensor | None = None,
     agg_denominator: float | Tensor | None = None,
+    token_log_ratio_bound: float | None = None,
+    clip_ratio_c: float | None = None,
+    behavior_weights: Tensor | None = None,
 ) -> PolicyLossOutput:
     """Clipped PPO surrogate with token or turn ratios and the clipping-bias scale.
 
     Covers all six variants (spec section 2 table): ``ratio_level="token"`` for ppo, s_ppo,
     grpo; ``"turn"`` for turn_ppo, st_ppo, so_grpo; ``bias_correction=True`` for s_ppo,
     st_ppo, so_grpo. ``||C||`` is always computed and logged (the paper's diagnostic); it
-    scales the loss only with ``bias_correction``.
+    scales the loss only with ``bias_correction``. The stabilisers of spec section 6 (token
+    bound, dual clip, behaviour weights; module docstring) are off by default, and with
+    them off the loss is bit-identical to the section 2 objective.
 
     Args:
         logprobs: float [B, T]. Learner log-probs of the taken tokens (requires grad).
             bf16/fp16 inputs are upcast to float32 for the ratio arithmetic.
-        old_logprobs: float [B, T]. Behaviour (or recomputed) log-probs; detached inside.
+        old_logprobs: float [B, T]. The policy the ratio is taken against: behaviour
+            log-probs, or the proximal policy's for decoupled PPO; detached inside.
         advantages: float [B, T]. Per-token advantages; detached inside.
         loss_mask: [B, T]. 1 on policy tokens, 0 on prompt/environment/padding. Values off
             the mask (in any input) are ignored, including inf/NaN log-probs.
@@ -662,10 +796,14 @@ def compute_policy_loss(
         bias_correction: multiply the loss by s (S-PPO / ST-PPO / SO-GRPO).
         normalize_mode, tau, delta: see :func:`clip_bias_scale`.
         loss_agg_mode: ``"token-mean"`` or ``"seq-mean-token-mean"``.
-        clip_bias_norm: precomputed ||C|| (0-dim, e.g. the parameter-space norm of
-            ``grad clip_bias_surrogate`` for ``bias_norm: param``); ``None`` computes the
-            ``logprob`` norm in closed form (no backward through the model).
+        clip_bias_norm: precomputed ||C|| (0-dim), e.g. the norm over a whole optimizer
+            step's micro-batches, or the parameter-space norm for ``bias_norm: param``;
+            ``None`` computes this batch's ``logprob`` norm in closed form.
         agg_denominator: see :func:`aggregation_weights` (micro-batch accumulation).
+        token_log_ratio_bound: delta (nats) of the token bound, or ``None``.
+        clip_ratio_c: dual-clip bound (> 1 + clip_eps_high), or ``None``.
+        behavior_weights: float [B, T] ``b_t`` (decoupled PPO, see
+            :func:`behavior_importance_weights`), or ``None`` (all 1).
 
     Returns:
         :class:`PolicyLossOutput`: ``loss = s * L_base`` and detached metrics.
@@ -673,7 +811,7 @@ def compute_policy_loss(
     Raises:
         ValueError: mismatched shapes, non-integer ``turn_ids``, an empty ``loss_mask``, a
             masked token with ``turn_ids < 0``, ``turn_ids >= T``, unknown modes, bad
-            eps/tau/delta.
+            eps/tau/delta/bound/clip_ratio_c.
 
     Example (one token, A = 1, ratio e^0.1 inside the clip range):
         ``compute_policy_loss(tensor([[0.1]], requires_grad=True), tensor([[0.]]),
@@ -692,13 +830,21 @@ def compute_policy_loss(
         turn_advantage=turn_advantage,
         loss_agg_mode=loss_agg_mode,
         agg_denominator=agg_denominator,
+        token_log_ratio_bound=token_log_ratio_bound,
+        clip_ratio_c=clip_ratio_c,
+        behavior_weights=behavior_weights,
     )
     ratio, adv = parts.ratio, parts.advantages
     clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     per_token_loss = torch.maximum(-adv * ratio, -adv * clipped_ratio)
+    if clip_ratio_c is not None:
+        # dual clip (verl): for A < 0 the loss is capped at -c A, so ratio > c has no grad
+        per_token_loss = torch.where(
+            adv < 0, torch.minimum(per_token_loss, -adv * clip_ratio_c), per_token_loss
+        )
     pg_loss = (parts.weights * per_token_loss).sum()
 
-    clipped = parts.clip_high | parts.clip_low
+    clipped = parts.clip.any_side()
     if clip_bias_norm is None:
         grad = _clip_bias_logprob_grad_from_parts(
             parts.ratios, adv, clipped, parts.weights, ratio_level=ratio_level
@@ -739,13 +885,19 @@ def _policy_metrics(
     turns = ratios.segment_sizes[:-1] > 0
     num_turns = turns.sum().to(pg_loss.dtype)
     clipped_turns = (clipped_per_turn[:-1] > 0).sum().to(pg_loss.dtype)
+    token_log_ratio = ratios.token_log_ratio.detach()
     return {
         "pg_loss": pg_loss.detach(),
         "clip_ratio": masked_mean(clipped.to(pg_loss.dtype), maskf),
-        "clip_ratio_high": masked_mean(parts.clip_high.to(pg_loss.dtype), maskf),
-        "clip_ratio_low": masked_mean(parts.clip_low.to(pg_loss.dtype), maskf),
+        "clip_ratio_high": masked_mean(parts.clip.high.to(pg_loss.dtype), maskf),
+        "clip_ratio_low": masked_mean(parts.clip.low.to(pg_loss.dtype), maskf),
+        "clip_ratio_dual": masked_mean(parts.clip.dual.to(pg_loss.dtype), maskf),
         "clip_ratio_turn": clipped_turns / num_turns.clamp_min(1.0),
-        "approx_kl": masked_mean(-ratios.token_log_ratio.detach(), maskf),
+        "token_bound_ratio": masked_mean(ratios.token_bounded.to(pg_loss.dtype), maskf),
+        "approx_kl": masked_mean(-token_log_ratio, maskf),
+        "token_log_ratio_abs_max": torch.where(
+            mask, token_log_ratio.abs(), torch.zeros_like(token_log_ratio)
+        ).max(),
         "clip_bias_norm": norm.detach(),
         "clip_bias_norm_sq": norm_sq.detach(),
         "clip_bias_scale": scale.detach(),
@@ -755,6 +907,85 @@ def _policy_metrics(
         "num_tokens": maskf.sum(),
         "num_turns": num_turns,
     }
+
+
+# --------------------------------------------------------------------------- off-policy weights
+
+
+@dataclass
+class BehaviorWeights:
+    """Result of :func:`behavior_importance_weights`.
+
+    Attributes:
+        weights: float [B, T], detached: ``b_t``, 0 off the mask and on dropped tokens.
+        metrics: detached 0-dim tensors: ``behavior_weight_mean`` (of the raw weight over
+            masked tokens), ``behavior_weight_max``, ``behavior_weight_capped`` (fraction of
+            masked tokens above the cap, truncated or dropped).
+    """
+
+    weights: Tensor
+    metrics: dict[str, Tensor]
+
+
+@torch.no_grad()
+def behavior_importance_weights(
+    proximal_logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    loss_mask: Tensor,
+    turn_ids: Tensor,
+    *,
+    level: RatioLevel,
+    cap: float,
+    mode: BehaviorWeightMode = "truncate",
+) -> BehaviorWeights:
+    """Behaviour importance weights of decoupled PPO (spec section 6; AReaL, Fu et al. 2025,
+    "AReaL: a large-scale asynchronous RL system", decoupled objective).
+
+    ``b_t = pi_prox(y_t) / pi_behaviour(y_t)`` per token (``level="token"``) or the turn's
+    geometric mean ``exp(mean_{t in T_k} log b_t)`` broadcast to its tokens (``"turn"``).
+    Above ``cap`` the weight is truncated to ``cap`` (``"truncate"``, truncated IS) or the
+    token (turn) is dropped, weight 0 (``"drop"``, AReaL's behaviour mask). With staleness 0
+    and matching engines every weight is 1 and decoupled PPO is PPO.
+
+    Args:
+        proximal_logprobs: float [B, T]. Log-probs of the proximal policy (the learner's
+            weights at the start of this step, recomputed).
+        behavior_logprobs: float [B, T]. Log-probs the engine recorded when sampling.
+        loss_mask: [B, T]. turn_ids: int [B, T] (as :func:`compute_policy_loss`).
+        level: ``"token"`` or ``"turn"``.
+        cap: > 1, the largest weight kept.
+        mode: ``"truncate"`` or ``"drop"``.
+
+    Returns:
+        :class:`BehaviorWeights`.
+
+    Raises:
+        ValueError: mismatched shapes, ``cap <= 1`` or an unknown mode/level.
+    """
+    if proximal_logprobs.shape != behavior_logprobs.shape:
+        raise ValueError(
+            f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != "
+            f"proximal_logprobs shape {tuple(proximal_logprobs.shape)}"
+        )
+    if not cap > 1.0:
+        raise ValueError(f"behavior weight cap must be > 1, got {cap}")
+    _check_mode("mode", mode, ("truncate", "drop"))
+    ratios = importance_log_ratios(
+        proximal_logprobs, behavior_logprobs, loss_mask, turn_ids, ratio_level=level
+    )
+    maskf = (loss_mask != 0).to(ratios.log_ratio.dtype)
+    raw = torch.exp(ratios.log_ratio) * maskf
+    above = (raw > cap) & (maskf > 0)
+    if mode == "truncate":
+        weights = raw.clamp(max=cap)
+    else:
+        weights = torch.where(above, torch.zeros_like(raw), raw)
+    metrics = {
+        "behavior_weight_mean": masked_mean(raw, maskf),
+        "behavior_weight_max": raw.max(),
+        "behavior_weight_capped": masked_mean(above.to(raw.dtype), maskf),
+    }
+    return BehaviorWeights(weights=weights * maskf, metrics=metrics)
 
 
 # --------------------------------------------------------------------------- value, KL, entropy
@@ -829,12 +1060,15 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator) -
     KL divergence", 2020).
 
     ``k1 = logp - logp_ref``; ``k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1`` (>= 0,
-    unbiased). The log-ratio is clamped to +-``LOG_RATIO_CLAMP`` before ``exp``.
+    unbiased; the log-ratio is clamped to +-``LOG_RATIO_CLAMP`` before ``exp``, so one
+    token 12 nats away gives 1.6e5); ``low_var_kl`` is k3 clamped to
+    [-``LOW_VAR_KL_BOUND``, ``LOW_VAR_KL_BOUND``] (verl's ``low_var_kl``): bounded, so no
+    single token can outweigh every reward of a batch (spec section 6).
 
     Args:
         logprobs: float [B, T]. Policy log-probs (may require grad: KL as a loss).
         ref_logprobs: float [B, T]. Frozen reference log-probs (detached inside).
-        estimator: ``"k1"`` or ``"k3"``.
+        estimator: ``"k1"``, ``"k3"`` or ``"low_var_kl"``.
 
     Returns:
         float [B, T] (unmasked; mask with ``masked_mean``).
@@ -847,12 +1081,15 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator) -
             f"ref_logprobs shape {tuple(ref_logprobs.shape)} != "
             f"logprobs shape {tuple(logprobs.shape)}"
         )
-    _check_mode("estimator", estimator, ("k1", "k3"))
+    _check_mode("estimator", estimator, ("k1", "k3", "low_var_kl"))
     log_ratio = logprobs - ref_logprobs.detach()
     if estimator == "k1":
         return log_ratio
     ref_minus = torch.clamp(-log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.exp(ref_minus) - ref_minus - 1.0
+    k3 = torch.exp(ref_minus) - ref_minus - 1.0
+    if estimator == "k3":
+        return k3
+    return torch.clamp(k3, -LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -17,14 +17,16 @@ One :meth:`Learner.step` (spec sections 2-4) is a sequence of named stages:
 1. select: drop trajectories whose retrieval failed, that have no policy token, or (group
    variants) whose group has a single member; each drop is counted.
 2. collate into a :class:`learner.batch.TrainingBatch`.
-3. prepare (no grad): reference log-probs, old values (critic variants), recomputed old
-   log-probs (``old_logprob_source = recompute``), token rewards (outcome reward on the last
-   policy token, minus ``kl_coef * KL`` with ``kl_mode = in_reward``), advantages (GAE and
-   optional whitening, or group-relative).
+3. prepare (no grad): reference log-probs, old values (critic variants), the proximal
+   policy's log-probs and the truncated behaviour weights (``off_policy = decoupled``),
+   token rewards (outcome reward on the last policy token, minus ``kl_coef * KL`` with
+   ``kl_mode = in_reward``), advantages (GAE and optional whitening, or group-relative).
 4. optimise: ``ppo_epochs`` shuffled passes, mini-batches of ``mini_batch_size``
    trajectories (one optimizer step each), accumulated over micro-batches of
    ``micro_batch_size``. Loss terms are weighted with the mini-batch denominators, so the
-   accumulated gradient equals the mini-batch loss's gradient.
+   accumulated gradient equals the mini-batch loss's gradient. One clipping-bias norm
+   ``||C||`` and one scale ``s`` per optimizer step; ``s`` multiplies that step's learning
+   rate (``scale_target = update``) or its policy loss (``loss``).
 5. ``policy_version += 1``; metrics.
 
 Non-finite guard: a micro-batch whose loss is NaN/inf poisons that engine's gradients with
@@ -32,16 +34,20 @@ NaN, so DeepSpeed's overflow check (ZeRO >= 1, or bf16) skips the optimizer step
 them; fp32 ZeRO-0 has no such check, so the learner checks the gradient norm itself and
 zeroes instead of stepping. Skipped steps are counted, weights never become NaN.
 
-Clipping-bias norm ||C|| is measured per micro-batch, normalised by that micro-batch's own
-token count (an intensive quantity, independent of how a mini-batch is split); with
-``micro_batch_size == mini_batch_size`` it is the spec's mini-batch ||C|| exactly. With
-``bias_norm = param`` it costs one extra backward per micro-batch
+Clipping-bias norm ||C|| is the norm over the whole mini-batch (spec section 6: one per
+optimizer step), whatever ``micro_batch_size`` is: micro-batches share the mini-batch's
+aggregation denominator, so their closed-form squared norms add up to the mini-batch's.
+With ``scale_target = update`` and ``bias_norm = logprob`` it costs nothing extra (summed
+during the backwards, ``s`` applied to the learning rate at the step); with
+``scale_target = loss`` a no-grad forward pre-pass per micro-batch measures it before the
+first backward. ``bias_norm = param`` costs one extra forward + backward per micro-batch
 (``torch.autograd.grad`` of :func:`learner.losses.clip_bias_surrogate`, which does not touch
-DeepSpeed's gradient buffers); ZeRO stage <= 2 only.
+DeepSpeed's gradient buffers; the vectors are summed before the norm); ZeRO stage <= 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -74,8 +80,9 @@ from learner.sft import WarmStartReport, run_warm_start
 
 _ALGORITHM_ADAPTER: TypeAdapter = TypeAdapter(AlgorithmConfig)
 
-_ADDITIVE_METRICS = ("pg_loss", "value_loss")
-"""Micro-batch pieces of a mini-batch loss: summed within a mini-batch, then averaged."""
+_PER_UPDATE_METRICS = ("pg_loss", "value_loss", "clip_bias_norm", "clip_bias_scale")
+"""Metrics with one value per optimizer step (mini-batch losses, ||C||, s): averaged over
+the step's optimizer steps rather than its micro-batches."""
 
 
 class EmptyBatchError(ValueError):
@@ -111,10 +118,19 @@ class StepMetrics(Mapping):
         global_step: learner steps done, this one included.
         staleness: ``policy_version_before_step - policy_version_min`` per trained
             trajectory (the histogram the driver exports).
-        train_logprob_gap: mean |behaviour - learner| log-prob over policy tokens (nats),
-            the learner log-probs taken at the current version before any update of this
-            step (recomputed for the whole batch with ``old_logprob_source = recompute``,
-            else the first mini-batch); mixes inference/training mismatch with staleness.
+        train_logprob_gap: mean |behaviour - learner| log-prob over the policy tokens of
+            staleness-0 trajectories (nats), the learner log-probs taken at the current
+            version before any update of this step (the proximal log-probs of the whole
+            batch with ``off_policy = decoupled``, else the first mini-batch): the
+            inference/training mismatch alone. None without a staleness-0 trajectory.
+        clip_ratio_dual: fraction of policy tokens the dual clip capped.
+        token_bound_ratio: fraction of policy tokens the token log-ratio bound replaced.
+        token_log_ratio_abs_max: largest |log pi_theta - log pi_old| of a policy token over
+            the step's micro-batches (nats), bounded or not.
+        behavior_weight_mean, behavior_weight_max, behavior_weight_capped: decoupled PPO's
+            raw behaviour weights pi_prox / pi_behaviour (mean, max, fraction above the
+            cap); NaN with ``off_policy = behavior``.
+        clip_bias_norm, clip_bias_scale: ||C|| and s, one per optimizer step, averaged.
         skipped_steps: policy optimizer steps skipped in this step (non-finite loss or
             gradient norm); ``critic_skipped_steps`` likewise; ``nonfinite_steps_total``:
             cumulative policy skips since construction.
@@ -145,6 +161,12 @@ class StepMetrics(Mapping):
     critic_grad_norm: float
     clip_bias_norm: float
     clip_bias_scale: float
+    clip_ratio_dual: float
+    token_bound_ratio: float
+    token_log_ratio_abs_max: float
+    behavior_weight_mean: float
+    behavior_weight_max: float
+    behavior_weight_capped: float
     reward_mean: float
     success_rate: float
     num_turns_mean: float
@@ -214,10 +236,33 @@ class _StepAccumulator:
     grad_norms: list[float] = field(default_factory=list)
     critic_grad_norms: list[float] = field(default_factory=list)
     logprob_gaps: list[float] = field(default_factory=list)
+    behavior: dict[str, float] = field(default_factory=dict)
+    token_log_ratio_abs_max: float = 0.0
 
     def mean(self, name: str, default: float = 0.0) -> float:
-        values = self.mini[name] if name in _ADDITIVE_METRICS else self.micro[name]
+        values = self.mini[name] if name in _PER_UPDATE_METRICS else self.micro[name]
         return float(sum(values) / len(values)) if values else default
+
+
+@contextlib.contextmanager
+def _scaled_learning_rate(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[None]:
+    """Multiply every param group's ``lr`` by ``scale`` for one ``step`` (restored after).
+
+    AdamW's update, weight decay included, is linear in ``lr``, so from the same optimizer
+    state this moves the parameters exactly ``scale`` times as far: the clipping-bias
+    scale acts on the update, which a loss multiplier does not do under Adam.
+    """
+    if scale == 1.0:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * scale
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
 
 
 def deepspeed_config(config: LearnerConfig, lr: float, *, with_optimizer: bool) -> dict:
@@ -455,25 +500,49 @@ class Learner:
     @torch.no_grad()
     def _prepare(self, batch: TrainingBatch, algorithm: BaseModel, acc: _StepAccumulator) -> None:
         width = batch.response_ids.shape[1]
-        ref, old_values, recomputed = [], [], []
+        decoupled = algorithm.off_policy == "decoupled"
+        ref, old_values, proximal = [], [], []
         for rows in _chunks(batch.batch_size, self.config.micro_batch_size):
             micro = batch.select(rows).to(self.device)
             ref.append(_pad_columns(self._logprobs(self.reference_engine, micro).cpu(), width))
             if uses_critic(algorithm):
                 old_values.append(_pad_columns(self._values(micro).cpu(), width))
-            if algorithm.old_logprob_source == "recompute":
+            if decoupled:
                 logprobs = self._logprobs(self.policy_engine, micro).cpu()
-                recomputed.append(_pad_columns(logprobs, width))
+                proximal.append(_pad_columns(logprobs, width))
         batch.ref_logprobs = torch.cat(ref)
-        if recomputed:
-            batch.old_logprobs = torch.cat(recomputed)
-            gap = (batch.behavior_logprobs - batch.old_logprobs).abs()
-            acc.logprob_gaps.append(_scalar(losses.masked_mean(gap, batch.loss_mask)))
+        if decoupled:
+            batch.old_logprobs = torch.cat(proximal)
+            weights = losses.behavior_importance_weights(
+                batch.old_logprobs,
+                batch.behavior_logprobs,
+                batch.loss_mask,
+                batch.turn_ids,
+                level=algorithm.behavior_weight_level,
+                cap=algorithm.behavior_weight_cap,
+                mode=algorithm.behavior_weight_mode,
+            )
+            batch.behavior_weights = weights.weights
+            acc.behavior = {name: _scalar(value) for name, value in weights.metrics.items()}
+            self._record_logprob_gap(batch, batch.old_logprobs, acc)
         else:
             batch.old_logprobs = batch.behavior_logprobs
         if uses_critic(algorithm):
             batch.old_values = torch.cat(old_values) * batch.loss_mask
         self._compute_advantages(batch, algorithm)
+
+    def _record_logprob_gap(
+        self, batch: TrainingBatch, learner_logprobs: Tensor, acc: _StepAccumulator
+    ) -> None:
+        """Inference/training mismatch: mean |behaviour - learner| log-prob (nats) over the
+        policy tokens of staleness-0 rows only (generated by the weights the learner holds
+        now), so staleness does not leak into it. Records nothing without such a row."""
+        fresh = (batch.policy_version_min == self.policy_version).to(batch.loss_mask.dtype)
+        mask = batch.loss_mask * fresh.to(batch.loss_mask.device).unsqueeze(1)
+        if not bool(mask.any()):
+            return
+        gap = (batch.behavior_logprobs - learner_logprobs.to(mask.device)).abs()
+        acc.logprob_gaps.append(_scalar(losses.masked_mean(gap, mask)))
 
     def _logprobs(self, engine: Any, micro: TrainingBatch) -> Tensor:
         logits = response_logits(engine, micro, self.temperature)
@@ -534,23 +603,55 @@ class Learner:
     def _train_mini_batch(
         self, mini: TrainingBatch, algorithm: BaseModel, acc: _StepAccumulator, on_policy: bool
     ) -> None:
+        """One optimizer step: micro-batch backwards, one ``||C||`` and one ``s``, the step.
+
+        ``||C||`` is the norm over the whole mini-batch: the micro-batches share its
+        aggregation denominator, so their closed-form (``logprob``) squared norms add up to
+        it, and ``param`` gradients are summed as vectors before the norm. Where ``s`` must
+        be known before the first backward (``scale_target = loss``, or ``bias_norm =
+        param``), a pre-pass over the micro-batches measures it first.
+        """
         denominator = self._agg_denominator(mini, algorithm)
+        kwargs = self._policy_loss_kwargs(algorithm)
+        bias = uses_bias_correction(algorithm)
+        norm: Tensor | None = None
+        any_clipped = False
+        if bias and (algorithm.bias_norm == "param" or algorithm.scale_target == "loss"):
+            norm, any_clipped = self._mini_batch_clip_bias(mini, algorithm, denominator, kwargs)
+        loss_scale = 1.0
+        if norm is not None and algorithm.scale_target == "loss":
+            loss_scale = self._bias_scale(norm, any_clipped, algorithm)
         sums: dict[str, float] = defaultdict(float)
         policy_finite, critic_finite = True, True
         for rows in _chunks(mini.batch_size, self.config.micro_batch_size):
             micro = mini.select(rows).to(self.device)
-            metrics = self._policy_backward(micro, algorithm, denominator, on_policy, acc)
+            metrics = self._policy_backward(
+                micro, algorithm, denominator, on_policy, acc, kwargs, loss_scale
+            )
             policy_finite &= math.isfinite(metrics["loss"])
             if uses_critic(algorithm):
                 value_metrics = self._critic_backward(micro, algorithm, denominator)
                 critic_finite &= math.isfinite(value_metrics["loss"])
                 sums["value_loss"] += value_metrics["value_loss"]
-            sums["pg_loss"] += metrics["pg_loss"]
+            sums["pg_loss"] += metrics.pop("pg_loss")
+            sums["clip_bias_norm_sq"] += metrics.pop("clip_bias_norm_sq")
+            any_clipped |= metrics["clip_ratio"] > 0.0
+            acc.token_log_ratio_abs_max = max(
+                acc.token_log_ratio_abs_max, metrics.pop("token_log_ratio_abs_max")
+            )
             for name, value in metrics.items():
                 acc.micro[name].append(value)
+        if norm is None:
+            norm = torch.tensor(math.sqrt(max(sums.pop("clip_bias_norm_sq"), 0.0)))
+        sums.pop("clip_bias_norm_sq", None)
+        scale = self._bias_scale(norm, any_clipped, algorithm) if bias else 1.0
+        sums["clip_bias_norm"] = _scalar(norm)
+        sums["clip_bias_scale"] = scale
         for name, value in sums.items():
             acc.mini[name].append(value)
-        applied, grad_norm = self._optimizer_step(self.policy_engine, policy_finite)
+        lr_scale = scale if bias and algorithm.scale_target == "update" else 1.0
+        with _scaled_learning_rate(self.policy_engine.optimizer, lr_scale):
+            applied, grad_norm = self._optimizer_step(self.policy_engine, policy_finite)
         acc.optimizer_steps += 1
         if applied:
             acc.grad_norms.append(grad_norm)
@@ -564,6 +665,19 @@ class Learner:
             else:
                 acc.critic_skipped += 1
 
+    @staticmethod
+    def _bias_scale(norm: Tensor, any_clipped: bool, algorithm: BaseModel) -> float:
+        """The clipping-bias scale s of one optimizer step (:func:`losses.clip_bias_scale`)."""
+        return _scalar(
+            losses.clip_bias_scale(
+                norm,
+                torch.tensor(any_clipped),
+                normalize_mode=algorithm.normalize_mode,
+                tau=algorithm.tau,
+                delta=algorithm.delta,
+            )
+        )
+
     def _policy_backward(
         self,
         micro: TrainingBatch,
@@ -571,78 +685,109 @@ class Learner:
         denominator: float,
         on_policy: bool,
         acc: _StepAccumulator,
+        kwargs: dict[str, Any],
+        loss_scale: float,
     ) -> dict[str, float]:
-        """Forward, loss and backward of one policy micro-batch; returns float metrics."""
+        """Forward, loss and backward of one policy micro-batch; returns float metrics.
+
+        ``loss = loss_scale * L_pg (+ KL loss) (- entropy bonus)``: ``loss_scale`` is the
+        clipping-bias scale with ``scale_target = loss``, else 1.
+        """
         logits = response_logits(self.policy_engine, micro, self.temperature)
         logprobs = token_logprobs(logits, micro.response_ids)
         with torch.set_grad_enabled(algorithm.entropy_coef > 0.0):
             entropy = losses.entropy_from_logits(logits)
         del logits
         mask = micro.loss_mask
-        if on_policy and algorithm.old_logprob_source == "behavior":
-            gap = (micro.behavior_logprobs - logprobs.detach()).abs()
-            acc.logprob_gaps.append(_scalar(losses.masked_mean(gap, mask)))
-        kwargs = self._policy_loss_kwargs(algorithm)
-        clip_bias_norm = self._clip_bias_norm(logprobs, micro, algorithm, kwargs)
+        if on_policy and algorithm.off_policy == "behavior":
+            self._record_logprob_gap(micro, logprobs.detach(), acc)
         out = losses.compute_policy_loss(
             logprobs,
             micro.old_logprobs,
             micro.advantages,
             mask,
             micro.turn_ids,
-            clip_bias_norm=clip_bias_norm,
             agg_denominator=denominator,
+            behavior_weights=micro.behavior_weights,
             **kwargs,
         )
         weights = losses.aggregation_weights(
             mask, loss_agg_mode=algorithm.loss_agg_mode, agg_denominator=denominator
         )
         kl_ref = losses.kl_penalty(logprobs, micro.ref_logprobs, algorithm.kl_estimator)
-        loss = out.loss
+        loss = loss_scale * out.loss
         if algorithm.kl_mode == "loss" and algorithm.kl_coef > 0.0:
             loss = loss + algorithm.kl_coef * (weights * kl_ref).sum()
         if algorithm.entropy_coef > 0.0:
             loss = loss - algorithm.entropy_coef * (weights * entropy).sum()
         self._backward(self.policy_engine, loss, logprobs)
         with torch.no_grad():
-            k3 = losses.kl_penalty(logprobs.detach(), micro.ref_logprobs, "k3")
             metrics = {name: _scalar(value) for name, value in out.metrics.items()}
-            metrics["kl_ref"] = _scalar(losses.masked_mean(k3, mask))
+            metrics["kl_ref"] = _scalar(losses.masked_mean(kl_ref.detach(), mask))
             metrics["entropy"] = _scalar(losses.masked_mean(entropy.detach(), mask))
             metrics["loss"] = _scalar(loss)
+        for name in ("clip_bias_norm", "clip_bias_scale"):  # per optimizer step, not micro
+            metrics.pop(name)
         return metrics
 
     def _policy_loss_kwargs(self, algorithm: BaseModel) -> dict[str, Any]:
+        """Loss options of :func:`losses.compute_policy_loss` (the clipping-bias scale is
+        applied by the trainer, once per optimizer step)."""
         turn = uses_turn_ratio(algorithm)
-        bias = uses_bias_correction(algorithm)
-        kwargs: dict[str, Any] = {
+        return {
             "ratio_level": "turn" if turn else "token",
             "clip_eps_low": algorithm.clip_eps_low,
             "clip_eps_high": algorithm.clip_eps_high,
             "turn_advantage": algorithm.turn_advantage if turn else "token",
             "loss_agg_mode": algorithm.loss_agg_mode,
-            "bias_correction": bias,
+            "token_log_ratio_bound": algorithm.token_log_ratio_bound,
+            "clip_ratio_c": algorithm.clip_ratio_c,
         }
-        if bias:
-            kwargs.update(
-                normalize_mode=algorithm.normalize_mode, tau=algorithm.tau, delta=algorithm.delta
-            )
-        return kwargs
 
-    def _clip_bias_norm(
-        self, logprobs: Tensor, micro: TrainingBatch, algorithm: BaseModel, kwargs: dict
-    ) -> Tensor:
-        """||C|| of this micro-batch, normalised by its own token count (module docstring)."""
-        common = (micro.old_logprobs, micro.advantages, micro.loss_mask, micro.turn_ids)
-        if uses_bias_correction(algorithm) and algorithm.bias_norm == "param":
-            return self._param_clip_bias_norm(micro, kwargs)
-        with torch.no_grad():
-            out = losses.compute_policy_loss(logprobs.detach(), *common, **kwargs)
-        return out.metrics["clip_bias_norm"]
+    def _mini_batch_clip_bias(
+        self, mini: TrainingBatch, algorithm: BaseModel, denominator: float, kwargs: dict
+    ) -> tuple[Tensor, bool]:
+        """(||C|| of the whole mini-batch, whether any token is clipped), before any backward.
 
-    def _param_clip_bias_norm(self, micro: TrainingBatch, kwargs: dict) -> Tensor:
-        """||grad_theta clip_bias_surrogate|| over all policy parameters (``bias_norm =
-        param``).
+        ``logprob``: one no-grad policy forward per micro-batch, closed-form squared norms
+        summed. ``param``: one extra forward + backward per micro-batch through detached
+        parameter aliases, gradient vectors summed, then the norm.
+        """
+        param = algorithm.bias_norm == "param"
+        norm_sq = torch.zeros((), dtype=torch.float64)
+        grad_sum: list[Tensor] | None = None
+        any_clipped = False
+        for rows in _chunks(mini.batch_size, self.config.micro_batch_size):
+            micro = mini.select(rows).to(self.device)
+            inputs = (micro.old_logprobs, micro.advantages, micro.loss_mask, micro.turn_ids)
+            options = {
+                **kwargs,
+                "agg_denominator": denominator,
+                "behavior_weights": micro.behavior_weights,
+            }
+            if param:
+                grads, clipped = self._param_clip_bias_grad(micro, options)
+                grad_sum = (
+                    grads
+                    if grad_sum is None
+                    else [a + b for a, b in zip(grad_sum, grads, strict=True)]
+                )
+                any_clipped |= clipped
+                continue
+            with torch.no_grad():
+                logprobs = self._logprobs(self.policy_engine, micro)
+                out = losses.compute_policy_loss(logprobs, *inputs, **options)
+            norm_sq += out.metrics["clip_bias_norm_sq"].double().cpu()
+            any_clipped |= bool(out.metrics["clip_ratio"] > 0)
+        if grad_sum is not None:
+            norm_sq = torch.stack([g.double().square().sum() for g in grad_sum]).sum().cpu()
+        return norm_sq.sqrt().float(), any_clipped
+
+    def _param_clip_bias_grad(
+        self, micro: TrainingBatch, options: dict
+    ) -> tuple[list[Tensor], bool]:
+        """grad_theta of this micro-batch's clip-bias surrogate (``bias_norm = param``), one
+        tensor per trainable policy parameter (zeros where unused), and whether it clipped.
 
         The gradient is taken on a separate forward through detached aliases of the
         parameters (``torch.func.functional_call``; same storage, no copy): DeepSpeed hooks
@@ -677,21 +822,16 @@ class Learner:
             logits = logits / self.temperature
         logprobs = token_logprobs(logits, micro.response_ids)
         del out, logits
-        surrogate = losses.clip_bias_surrogate(
-            logprobs,
-            micro.old_logprobs,
-            micro.advantages,
-            micro.loss_mask,
-            micro.turn_ids,
-            ratio_level=kwargs["ratio_level"],
-            clip_eps_low=kwargs["clip_eps_low"],
-            clip_eps_high=kwargs["clip_eps_high"],
-            turn_advantage=kwargs["turn_advantage"],
-            loss_agg_mode=kwargs["loss_agg_mode"],
-        )
-        grads = torch.autograd.grad(surrogate, list(aliases.values()), allow_unused=True)
-        squares = [g.float().square().sum() for g in grads if g is not None]
-        return torch.stack(squares).sum().sqrt()
+        inputs = (micro.old_logprobs, micro.advantages, micro.loss_mask, micro.turn_ids)
+        surrogate = losses.clip_bias_surrogate(logprobs, *inputs, **options)
+        params = list(aliases.values())
+        grads = torch.autograd.grad(surrogate, params, allow_unused=True)
+        with torch.no_grad():
+            clipped = losses.compute_policy_loss(logprobs.detach(), *inputs, **options)
+        dense = [
+            torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)
+        ]
+        return dense, bool(clipped.metrics["clip_ratio"] > 0)
 
     def _critic_backward(
         self, micro: TrainingBatch, algorithm: BaseModel, denominator: float
@@ -834,6 +974,12 @@ class Learner:
             critic_grad_norm=mean_or_nan(acc.critic_grad_norms) if uses_critic(algorithm) else 0.0,
             clip_bias_norm=acc.mean("clip_bias_norm"),
             clip_bias_scale=acc.mean("clip_bias_scale", default=1.0),
+            clip_ratio_dual=acc.mean("clip_ratio_dual"),
+            token_bound_ratio=acc.mean("token_bound_ratio"),
+            token_log_ratio_abs_max=acc.token_log_ratio_abs_max,
+            behavior_weight_mean=acc.behavior.get("behavior_weight_mean", math.nan),
+            behavior_weight_max=acc.behavior.get("behavior_weight_max", math.nan),
+            behavior_weight_capped=acc.behavior.get("behavior_weight_capped", math.nan),
             reward_mean=float(batch.rewards.mean()),
             success_rate=float(batch.success.mean()),
             num_turns_mean=float(batch.num_turns.mean()),

@@ -46,7 +46,9 @@ def learner_config(**overrides) -> LearnerConfig:
 
 @pytest.fixture(scope="module")
 def learner(tiny_llama_dir: Path) -> Learner:
-    return Learner(tiny_llama_dir, learner_config(), STPPOConfig(), seed=0)
+    # ratios against the behaviour log-probs, which make_batch draws far from the model's,
+    # so tokens clip from the first mini-batch on (decoupled PPO would start at ratio 1)
+    return Learner(tiny_llama_dir, learner_config(), STPPOConfig(off_policy="behavior"), seed=0)
 
 
 def test_two_steps_update_weights_and_export_loads_into_hf(learner: Learner, tiny_llama_dir):
@@ -112,7 +114,7 @@ def test_retrieval_failed_trajectories_are_excluded_and_counted(learner: Learner
 def test_every_variant_runs_one_step_and_switches_live(learner: Learner):
     for variant, cls in VARIANT_CONFIGS.items():
         critic_before = critic_state(learner)
-        learner.set_algorithm(cls())
+        learner.set_algorithm(cls(off_policy="behavior"))
         metrics = learner.step(make_batch(3))
         assert metrics.variant == variant
         assert metrics.skipped_steps == 0 and math.isfinite(metrics.pg_loss)
@@ -127,11 +129,11 @@ def test_every_variant_runs_one_step_and_switches_live(learner: Learner):
             assert 0.0 < metrics.clip_bias_scale <= 1.0
         else:
             assert metrics.clip_bias_scale == 1.0
-    learner.set_algorithm(STPPOConfig(bias_norm="param", tau=1e-6))
+    learner.set_algorithm(STPPOConfig(off_policy="behavior", bias_norm="param", tau=1e-6))
     metrics = learner.step(make_batch(4))
-    # tau far below ||C||: the triggered scale tau / ||C|| is < 1 (averaged over micro-batches)
+    # tau far below ||C||: the triggered scale tau / ||C|| is < 1 (one per optimizer step)
     assert metrics.clip_bias_norm > 0.0 and metrics.clip_bias_scale < 1.0
-    learner.set_algorithm(STPPOConfig())
+    learner.set_algorithm(STPPOConfig(off_policy="behavior"))
 
 
 def test_set_lr_changes_optimizer_learning_rates(learner: Learner):
@@ -177,7 +179,9 @@ def test_nonfinite_batch_is_skipped_counted_and_never_written(tiny_llama_dir, dt
     learner = Learner(
         tiny_llama_dir,
         learner_config(dtype=dtype, zero_stage=zero_stage, mini_batch_size=2),
-        PPOConfig(),
+        # behaviour log-probs enter the ratio and the in-reward KL (decoupled PPO would use
+        # the recomputed proximal log-probs there, and the NaN would reach the policy only)
+        PPOConfig(off_policy="behavior"),
         seed=0,
     )
     poisoned = make_batch(7, num=2)
