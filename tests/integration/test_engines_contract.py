@@ -18,9 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from learner_factories import make_trajectory
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from actors.engines.protocol import SamplingParams
+from learner.batch import collate_trajectories
+from learner.modeling import response_logits, token_logprobs
 
 pytestmark = pytest.mark.integration
 
@@ -111,12 +114,16 @@ def prompts(tok) -> list[list[int]]:
     ]
 
 
-def learner_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    """float32 [N]: log p(response_t | prefix) from one unpadded forward pass."""
-    ids = torch.tensor([prompt + response])
+def learner_logprobs(
+    model, prompt: list[int], response: list[int], temperature: float = 1.0
+) -> torch.Tensor:
+    """float32 [N]: the learner's log p(response_t | prefix) at ``temperature``, through its
+    own code path (collate -> ``response_logits`` divided by T -> ``token_logprobs``)."""
+    trajectory = make_trajectory(prompt, response, [1] * len(response))
+    batch = collate_trajectories([trajectory], pad_token_id=0)  # one row: no padding
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+        logits = response_logits(model, batch, temperature)
+        return token_logprobs(logits, batch.response_ids)[0].float()
 
 
 def reference_model(path: Path, dtype: str):
@@ -136,9 +143,11 @@ def test_logprobs_match_a_learner_forward_pass(kind, dtype, temperature, tiny_di
     gaps = []
     for p, r in zip(ps, results, strict=True):
         assert len(r.token_ids) == 24 and r.finish_reason in ("length", "eos")
-        gaps.append((torch.tensor(r.logprobs) - learner_logprobs(model, p, r.token_ids)).abs())
+        learner = learner_logprobs(model, p, r.token_ids, temperature)
+        gaps.append((torch.tensor(r.logprobs) - learner).abs())
     gap = torch.cat(gaps)
-    # temperature-1 policy log-probs at any sampling temperature (protocol convention)
+    # the temperature-T policy on both sides (protocol convention): before any update every
+    # importance ratio is 1, up to the engine's numerics
     if dtype == "float32":
         assert gap.max().item() < LOGPROB_ATOL_FP32
     else:
