@@ -19,7 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from actors.config import RolloutConfig
 from learner.config import (
@@ -152,6 +152,9 @@ class CheckpointConfig(StrictModel):
     """Checkpoints kept on disk."""
 
 
+_RAY_PREDEFINED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
 class RayConfig(StrictModel):
     """The Ray cluster and the resources of each actor."""
 
@@ -172,6 +175,25 @@ class RayConfig(StrictModel):
 
     learner_gpus: float = Field(0.0, ge=0.0)
     """GPUs reserved for the learner actor."""
+
+    rollout_actor_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources per rollout actor (name -> amount > 0), e.g. ``{stppo_rollout = 1}``:
+    the rollout worker group advertises them (``rayStartParams.resources``), so the actors
+    land on its nodes only. Empty = any node with the CPUs/GPUs."""
+
+    learner_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources of the learner actor (name -> amount > 0), e.g.
+    ``{stppo_learner = 1}``: pins it to the learner worker group. Empty = any node."""
+
+    @field_validator("rollout_actor_resources", "learner_resources")
+    @classmethod
+    def _check_custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in _RAY_PREDEFINED_RESOURCES:
+                raise ValueError(f"{name!r} is set by *_cpus / *_gpus, not as a custom resource")
+            if not amount > 0:
+                raise ValueError(f"custom resource {name!r} must be > 0, got {amount}")
+        return value
 
     max_actor_restarts: int = Field(3, ge=0)
     """Restarts of a crashed rollout actor before the run fails."""

@@ -31,19 +31,40 @@ def _actor_env() -> dict[str, Any]:
     return {"env_vars": env}
 
 
+def rollout_actor_options(cfg: RunConfig, index: int) -> dict[str, Any]:
+    """``ray.remote(...).options`` of rollout actor ``index``: CPUs, GPUs and the custom
+    resources of ``ray.rollout_actor_resources`` (which only the rollout worker group
+    advertises on KubeRay, so the actor cannot land on the head or the learner's node)."""
+    return {
+        "name": f"rollout-{cfg.run.name}-{index}",
+        "num_cpus": cfg.ray.rollout_actor_cpus,
+        "num_gpus": cfg.ray.rollout_actor_gpus,
+        "resources": dict(cfg.ray.rollout_actor_resources),
+        "max_restarts": cfg.ray.max_actor_restarts,
+        "max_task_retries": 0,  # a failed rollout is dropped and counted, never silently re-run
+        "runtime_env": _actor_env(),
+    }
+
+
+def learner_actor_options(cfg: RunConfig) -> dict[str, Any]:
+    """``ray.remote(...).options`` of the learner actor: CPUs, GPUs and the custom resources
+    of ``ray.learner_resources`` (advertised by the learner worker group only)."""
+    return {
+        "name": f"learner-{cfg.run.name}",
+        "num_cpus": cfg.ray.learner_cpus,
+        "num_gpus": cfg.ray.learner_gpus,
+        "resources": dict(cfg.ray.learner_resources),
+        "max_restarts": 0,
+        "runtime_env": _actor_env(),
+    }
+
+
 def create_rollout_actor(cfg: RunConfig, retrieval_url: str, index: int) -> Any:
     """One rollout actor (engine + multi-turn loop), restarted by Ray up to
     ``ray.max_actor_restarts`` times after a crash (the driver re-syncs its weights)."""
     from actors.rollout import RolloutWorker
 
-    cls = ray.remote(RolloutWorker).options(
-        name=f"rollout-{cfg.run.name}-{index}",
-        num_cpus=cfg.ray.rollout_actor_cpus,
-        num_gpus=cfg.ray.rollout_actor_gpus,
-        max_restarts=cfg.ray.max_actor_restarts,
-        max_task_retries=0,  # a failed rollout is dropped and counted, never silently re-run
-        runtime_env=_actor_env(),
-    )
+    cls = ray.remote(RolloutWorker).options(**rollout_actor_options(cfg, index))
     return cls.remote(
         model_path=str(cfg.model.path),
         rollout_cfg=cfg.rollout,
@@ -56,13 +77,7 @@ def create_learner_actor(cfg: RunConfig) -> Any:
     """The DeepSpeed learner (policy, critic, reference) in its own process."""
     from learner.trainer import Learner
 
-    cls = ray.remote(Learner).options(
-        name=f"learner-{cfg.run.name}",
-        num_cpus=cfg.ray.learner_cpus,
-        num_gpus=cfg.ray.learner_gpus,
-        max_restarts=0,
-        runtime_env=_actor_env(),
-    )
+    cls = ray.remote(Learner).options(**learner_actor_options(cfg))
     return cls.remote(
         str(cfg.model.path),
         cfg.learner,

@@ -1,8 +1,7 @@
 """deploy/: the manifests users apply, checked as far as a machine without Kubernetes allows.
 
-Each kustomize overlay is rendered by a small renderer of the kustomize subset the repo uses
-(resources, namespace, ConfigMap/Secret generators without name hashes, JSON6902 patches; a
-kustomization using any other key fails the test). Rendered objects are validated strictly:
+Each kustomize overlay is rendered with the real ``kubectl kustomize`` (what
+``kubectl apply -k`` applies). Rendered objects are validated strictly:
 core kinds against the Kubernetes OpenAPI schemas (kubernetes-validate, offline), KubeRay
 kinds against the openAPIV3Schema of the CRDs in ../shared/schemas/kuberay (unknown fields
 rejected, as kubectl's strict field validation does). Then names, ports, paths, images and
@@ -14,10 +13,14 @@ from __future__ import annotations
 import base64
 import copy
 import functools
+import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import tempfile
+import time
 import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
@@ -34,111 +37,40 @@ DEPLOY = PROJECT_ROOT / "deploy"
 OVERLAYS = ("cpu-demo", "gpu")
 CRD_DIR = PROJECT_ROOT.parent / "shared" / "schemas" / "kuberay"
 K8S_VERSION = "1.33.0"
-KUSTOMIZE_KEYS = {
-    "apiVersion", "kind", "namespace", "resources", "patches", "generatorOptions",
-    "configMapGenerator", "secretGenerator",
-}  # fmt: skip
 CLUSTER_SCOPED = {"Namespace"}
 PYPROJECT = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())
 
 
-# --------------------------------------------------------------------------- kustomize subset
+# --------------------------------------------------------------------------- kubectl kustomize
 
 
-def _unescape(token: str) -> str:
-    return token.replace("~1", "/").replace("~0", "~")
+def kustomize(overlay: str) -> list[dict]:
+    """Render ``deploy/k8s/overlays/<overlay>`` with the real ``kubectl kustomize``.
 
-
-def _apply_json6902(obj: dict, ops: list[dict]) -> None:
-    """RFC 6902 add / replace / remove (the ops the overlays use); raises on a bad path."""
-    for op in ops:
-        *parents, last = [_unescape(t) for t in op["path"].lstrip("/").split("/")]
-        node = obj
-        for token in parents:
-            node = node[int(token)] if isinstance(node, list) else node[token]
-        if op["op"] == "add":
-            if isinstance(node, list):
-                node.insert(len(node) if last == "-" else int(last), op["value"])
-            else:
-                node[last] = op["value"]
-        elif op["op"] == "replace":
-            if isinstance(node, list):
-                node[int(last)] = op["value"]
-            else:
-                if last not in node:
-                    raise KeyError(f"replace of missing path {op['path']}")
-                node[last] = op["value"]
-        elif op["op"] == "remove":
-            del node[int(last) if isinstance(node, list) else last]
-        else:
-            raise ValueError(f"unsupported patch op {op['op']!r}")
-
-
-def _generated(kind: str, gen: dict, options: dict, data: dict[str, str]) -> dict:
-    assert options.get("disableNameSuffixHash") is True, (
-        "generators must disable the name hash: CRDs refer to the plain names"
-    )
-    obj = {
-        "apiVersion": "v1",
-        "kind": kind,
-        "metadata": {"name": gen["name"], "labels": dict(options.get("labels", {}))},
-    }
-    if kind == "Secret":
-        obj["type"] = gen.get("type", "Opaque")
-        obj["data"] = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
-    else:
-        obj["data"] = data
-    return obj
-
-
-def _read_env_file(path: Path) -> dict[str, str]:
-    if not path.exists():  # git-ignored real token: the committed example stands in
-        path = path.with_name(path.name + ".example")
-    pairs = [line.split("=", 1) for line in path.read_text().splitlines() if line.strip()]
-    return {k.strip(): v.strip() for k, v in pairs}
-
-
-def render(directory: Path) -> list[dict]:
-    """Render a kustomization directory (the subset described in the module docstring)."""
-    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unknown = set(k) - KUSTOMIZE_KEYS
-    assert not unknown, f"{directory}: kustomize keys the test renderer does not model: {unknown}"
-    objects: list[dict] = []
-    for res in k.get("resources", []):
-        path = (directory / res).resolve()
-        if path.is_dir():
-            objects += render(path)
-        else:
-            objects += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    options = k.get("generatorOptions", {})
-    for gen in k.get("configMapGenerator", []):
-        data = {Path(f).name: (directory / f).read_text() for f in gen["files"]}
-        objects.append(_generated("ConfigMap", gen, options, data))
-    for gen in k.get("secretGenerator", []):
-        data = {}
-        for env_file in gen.get("envs", []):
-            data.update(_read_env_file(directory / env_file))
-        objects.append(_generated("Secret", gen, options, data))
-    for patch in k.get("patches", []):
-        target = patch["target"]
-        matches = [
-            o
-            for o in objects
-            if o["kind"] == target["kind"] and o["metadata"]["name"] == target["name"]
-        ]
-        assert matches, f"{directory}: patch target {target} matches no object"
-        for obj in matches:
-            _apply_json6902(obj, yaml.safe_load(patch["patch"]))
-    if "namespace" in k:
-        for obj in objects:
-            if obj["kind"] not in CLUSTER_SCOPED:
-                obj["metadata"]["namespace"] = k["namespace"]
-    return objects
+    deploy/ is copied to a temporary folder first, with the committed example standing in for
+    the git-ignored ``control-token.env``, so a developer's real token is never read.
+    """
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl (with its built-in kustomize) is needed to render deploy/k8s")
+    with tempfile.TemporaryDirectory() as tmp:
+        copy_root = Path(tmp) / "deploy"
+        shutil.copytree(DEPLOY, copy_root, ignore=shutil.ignore_patterns("control-token.env"))
+        base = copy_root / "k8s" / "base"
+        shutil.copy(base / "control-token.env.example", base / "control-token.env")
+        out = subprocess.run(
+            [kubectl, "kustomize", str(copy_root / "k8s" / "overlays" / overlay)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 0, f"kubectl kustomize {overlay}: {out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 @functools.cache
 def _rendered(overlay: str) -> tuple[dict, ...]:
-    return tuple(render(DEPLOY / "k8s" / "overlays" / overlay))
+    return tuple(kustomize(overlay))
 
 
 def rendered(overlay: str) -> list[dict]:
@@ -272,7 +204,7 @@ def test_rendered_objects_validate(overlay):
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == sorted(
         ["Namespace", "PersistentVolumeClaim", "Job", "Deployment", "Service", "Service",
-         "RayCluster", "RayJob", "ConfigMap", "ConfigMap", "Secret"]
+         "RayCluster", "RayJob", "ConfigMap", "ConfigMap", "Secret", "NetworkPolicy"]
     )  # fmt: skip
     for obj in objects:
         validate_object(obj)
@@ -292,22 +224,6 @@ def test_strict_validation_rejects_typos():
     svc["spec"]["ports"][0]["targetport"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
         validate_object(svc)
-
-
-def test_patch_renderer_applies_json6902():
-    obj = {"a": {"b": [1, 2]}, "c": 1}
-    _apply_json6902(
-        obj,
-        [
-            {"op": "replace", "path": "/a/b/1", "value": 5},
-            {"op": "add", "path": "/a/b/-", "value": 7},
-            {"op": "add", "path": "/a/x~1y", "value": "s"},
-            {"op": "remove", "path": "/c"},
-        ],
-    )
-    assert obj == {"a": {"b": [1, 5, 7], "x/y": "s"}}
-    with pytest.raises(KeyError):
-        _apply_json6902(obj, [{"op": "replace", "path": "/a/missing", "value": 0}])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -343,7 +259,12 @@ def test_control_plane_and_metrics_ports_agree(overlay):
     head_meta = cluster["spec"]["headGroupSpec"]["template"]["metadata"]
     assert cfg.control.host == cfg.metrics.host == "0.0.0.0"
     assert cfg.control.port == container_port(head, "control") == 8365
-    assert cfg.metrics.port == container_port(head, "metrics") == 9464
+    assert cfg.metrics.port == container_port(head, "stppo-metrics") == 9464
+    # KubeRay adds Ray's own `metrics` port (8080) only when no port has that name, and its
+    # monitors scrape `metrics`: the name stays Ray's
+    assert container_port(head, "metrics") == 8080
+    start = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    assert start["metrics-export-port"] == "8080"
     assert head_meta["annotations"]["prometheus.io/port"] == str(cfg.metrics.port)
     svc = one(objects, "Service", "stppo-control")
     # KubeRay labels the head pod ray.io/cluster=<name>, ray.io/node-type=head
@@ -353,7 +274,7 @@ def test_control_plane_and_metrics_ports_agree(overlay):
     }
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
     assert ports["control"]["port"] == cfg.control.port
-    assert ports["metrics"]["port"] == cfg.metrics.port
+    assert ports["stppo-metrics"]["port"] == cfg.metrics.port
     for name, p in ports.items():
         assert container_port(head, p["targetPort"]) == p["port"], name
     job = one(objects, "RayJob")
@@ -431,29 +352,51 @@ def test_prepare_and_cli_commands_exist():
     assert PYPROJECT["project"]["scripts"]["stppo"] == "services.cli:main"
 
 
+def _custom_resources(start_params: dict[str, str]) -> dict[str, float]:
+    """rayStartParams.resources as Ray reads it (KubeRay passes the value quoted once more)."""
+    raw = start_params.get("resources")
+    return {} if raw is None else json.loads(json.loads(raw))
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_ray_resources_fit_the_run_config(overlay):
-    """Ray logical resources per worker group can host the actors the config asks for."""
+def test_ray_resources_fit_the_run_config_and_pin_each_group(overlay):
+    """The head runs no actor; each group advertises the custom resource only its actors ask
+    for, and can host them (autoscaling within the group's bounds)."""
     objects = rendered(overlay)
     _, _, cfg = run_config_of(objects)
-    groups = {g["groupName"]: g for g in one(objects, "RayCluster")["spec"]["workerGroupSpecs"]}
-
-    def capacity(group: dict) -> tuple[float, float, int]:
+    spec = one(objects, "RayCluster")["spec"]
+    head_params = spec["headGroupSpec"]["rayStartParams"]
+    assert head_params["num-cpus"] == "0"
+    assert _custom_resources(head_params) == {}
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert _custom_resources(groups["rollout"]["rayStartParams"]) == {"stppo_rollout": 1}
+    assert _custom_resources(groups["learner"]["rayStartParams"]) == {"stppo_learner": 1}
+    asks = {
+        "rollout": (cfg.ray.rollout_actor_cpus, cfg.ray.rollout_actor_gpus,
+                    cfg.ray.rollout_actor_resources),
+        "learner": (cfg.ray.learner_cpus, cfg.ray.learner_gpus, cfg.ray.learner_resources),
+    }  # fmt: skip
+    for name, (cpus, gpus, custom) in asks.items():
+        group = groups[name]
         container = group["template"]["spec"]["containers"][0]
-        gpus = float(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
-        return float(group["rayStartParams"]["num-cpus"]), gpus, group["replicas"]
-
-    cpus, gpus, replicas = capacity(groups["rollout"])
-    per_pod = int(cpus // cfg.ray.rollout_actor_cpus)
-    if cfg.ray.rollout_actor_gpus > 0:
-        per_pod = min(per_pod, int(gpus // cfg.ray.rollout_actor_gpus))
-    assert per_pod * replicas >= cfg.rollout.num_actors
-    cpus, gpus, _ = capacity(groups["learner"])
-    assert cpus >= cfg.ray.learner_cpus and gpus >= cfg.ray.learner_gpus
+        pod_gpus = float(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+        pod_custom = _custom_resources(group["rayStartParams"])
+        # the actor asks for the group's resource and for no other group's
+        assert set(custom) == set(pod_custom), (name, custom, pod_custom)
+        per_pod = int(float(group["rayStartParams"]["num-cpus"]) // cpus)
+        if gpus > 0:
+            per_pod = min(per_pod, int(pod_gpus // gpus))
+        for key, amount in custom.items():
+            per_pod = min(per_pod, int(pod_custom[key] // amount))
+        wanted = cfg.rollout.num_actors if name == "rollout" else 1
+        assert per_pod >= 1 and per_pod * group["replicas"] >= wanted, name
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    assert spec["enableInTreeAutoscaling"] is True
+    assert groups["rollout"]["maxReplicas"] > groups["rollout"]["replicas"]  # room to scale
     tolerations = groups["learner"]["template"]["spec"]["tolerations"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
     if overlay == "gpu":
-        assert cfg.ray.learner_gpus == 1 and gpus == 1
+        assert cfg.ray.learner_gpus == 1
         assert cfg.rollout.engine == "vllm"
 
 
@@ -516,27 +459,273 @@ def test_dockerfile_installs_the_package_the_manifests_run():
         assert f"!{pattern.rstrip('*')}/" in ignore
 
 
-def test_prometheus_annotations_and_podmonitor_name_real_ports():
-    podmonitor = yaml.safe_load((DEPLOY / "prometheus" / "podmonitor.yaml").read_text())
-    selector = podmonitor["spec"]["selector"]["matchLabels"]
-    wanted = {e["port"] for e in podmonitor["spec"]["podMetricsEndpoints"]}
-    found = set()
-    for where, meta, spec in pod_specs(rendered("cpu-demo")):
+def _podmonitors() -> dict[str, dict]:
+    docs = yaml.safe_load_all((DEPLOY / "prometheus" / "podmonitor.yaml").read_text())
+    return {d["metadata"]["name"]: d for d in docs if d}
+
+
+def _pod_labels_as_kuberay_sets(where: str, meta: dict) -> dict[str, str]:
+    """The labels KubeRay adds to the pods it creates for RayCluster `stppo`."""
+    labels = dict(meta.get("labels", {}))
+    if "RayCluster/" in where:
+        labels["ray.io/cluster"] = "stppo"
+        labels["ray.io/node-type"] = "head" if where.endswith("/head") else "worker"
+    return labels
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheus_annotations_and_podmonitors_name_real_ports(overlay):
+    """Every PodMonitor endpoint matches a named port on a pod its selector picks: ours on
+    `stppo-metrics` and `http`, Ray's own (KubeRay's config/prometheus) on `metrics`,
+    `as-metrics`, `dash-metrics` of the head and `metrics` of every worker."""
+    monitors = _podmonitors()
+    assert set(monitors) == {"stppo", "ray-head", "ray-workers"}
+    pods = pod_specs(rendered(overlay))
+    for name, monitor in monitors.items():
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        wanted = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+        found: set[str] = set()
+        for where, meta, spec in pods:
+            labels = _pod_labels_as_kuberay_sets(where, meta)
+            if all(labels.get(k) == v for k, v in selector.items()):
+                ports = {p["name"] for c in spec["containers"] for p in c.get("ports", [])}
+                found |= wanted & ports
+                if name == "ray-workers":
+                    assert "metrics" in ports, where  # every worker group exposes it
+        assert found == wanted, name
+    assert {"metrics", "as-metrics", "dash-metrics"} == {
+        e["port"] for e in monitors["ray-head"]["spec"]["podMetricsEndpoints"]
+    }
+    for where, meta, spec in pods:
         ann = meta.get("annotations", {})
-        ports = {
-            p["name"]: p["containerPort"] for c in spec["containers"] for p in c.get("ports", [])
-        }
         if ann.get("prometheus.io/scrape") == "true":
-            assert int(ann["prometheus.io/port"]) in ports.values(), where
+            ports = {p["containerPort"] for c in spec["containers"] for p in c.get("ports", [])}
+            assert int(ann["prometheus.io/port"]) in ports, where
             assert ann["prometheus.io/path"] == "/metrics"
-        if all(meta["labels"].get(k) == v for k, v in selector.items()):
-            found |= wanted & set(ports)
-    assert found == wanted  # every PodMonitor endpoint matches a real named port
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_our_metrics_get_a_run_label_equal_to_the_run_name(overlay):
+    objects = rendered(overlay)
+    _, _, cfg = run_config_of(objects)
+    head_meta = one(objects, "RayCluster")["spec"]["headGroupSpec"]["template"]["metadata"]
+    assert head_meta["labels"]["stppo.io/run"] == cfg.run.name
+    (ours,) = [
+        e for e in _podmonitors()["stppo"]["spec"]["podMetricsEndpoints"]
+        if e["port"] == "stppo-metrics"
+    ]  # fmt: skip
+    targets = {r["targetLabel"]: r["sourceLabels"] for r in ours["relabelings"]}
+    assert targets["run"] == ["__meta_kubernetes_pod_label_stppo_io_run"]
+    assert targets["pod"] == ["__meta_kubernetes_pod_name"]
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "stppo-pods")
+    assert any(
+        r.get("target_label") == "run"
+        and r["source_labels"] == ["__meta_kubernetes_pod_label_stppo_io_run"]
+        for r in job["relabel_configs"]
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_head_sets_ray_prometheus_and_grafana_hosts(overlay):
+    env = {e["name"]: e.get("value") for e in head_container(rendered(overlay))["env"]}
+    for name in ("RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST"):
+        assert urlparse(env[name]).scheme == "http", name
+
+
+# --------------------------------------------------------------------------- pod security
+
+
+def _restricted_violations(where: str, spec: dict) -> list[str]:
+    """What breaks the "restricted" Pod Security Standard (v1.33) in one pod spec.
+
+    Pod level or every container: runAsNonRoot true, seccompProfile RuntimeDefault/Localhost;
+    every container (init ones too): allowPrivilegeEscalation false, capabilities drop ALL
+    (adding nothing but NET_BIND_SERVICE), no privileged, no runAsUser 0; volumes of the
+    allowed types only.
+    """
+    bad = []
+    pod_sc = spec.get("securityContext", {})
+    if pod_sc.get("runAsUser") == 0:
+        bad.append(f"{where}: pod runAsUser 0")
+    allowed_volumes = {
+        "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+        "projected", "secret",
+    }  # fmt: skip
+    for v in spec.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= allowed_volumes:
+            bad.append(f"{where}: volume {v['name']} of type {kinds - allowed_volumes}")
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        sc = c.get("securityContext", {})
+        name = f"{where}/{c['name']}"
+        if not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
+            bad.append(f"{name}: runAsNonRoot is not true")
+        if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+            bad.append(f"{name}: runAsUser 0")
+        seccomp = sc.get("seccompProfile", pod_sc.get("seccompProfile", {}))
+        if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}: seccompProfile {seccomp or 'unset'}")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{name}: allowPrivilegeEscalation is not false")
+        if sc.get("privileged"):
+            bad.append(f"{name}: privileged")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            bad.append(f"{name}: capabilities do not drop ALL")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}: adds capabilities {caps['add']}")
+        for p in c.get("ports", []):
+            if "hostPort" in p:
+                bad.append(f"{name}: hostPort")
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            bad.append(f"{where}: {key}")
+    return bad
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_meets_the_restricted_pod_security_standard(overlay):
+    objects = rendered(overlay)
+    pods = pod_specs(objects)
+    assert len(pods) == 6  # prepare, retrieval, head, rollout, learner, submitter
+    violations = [v for where, _, spec in pods for v in _restricted_violations(where, spec)]
+    # KubeRay's autoscaler sidecar runs in the head pod: its securityContext comes from here
+    autoscaler = one(objects, "RayCluster")["spec"]["autoscalerOptions"]
+    sidecar = {"name": "autoscaler", "securityContext": autoscaler["securityContext"]}
+    head_spec = next(spec for where, _, spec in pods if where.endswith("/head"))
+    violations += _restricted_violations(
+        "autoscaler", {"securityContext": head_spec["securityContext"], "containers": [sidecar]}
+    )
+    assert not violations, "\n".join(violations)
+
+
+def test_restricted_check_catches_a_root_container():
+    (where, _, spec) = pod_specs(rendered("cpu-demo"))[0]
+    spec = copy.deepcopy(spec)
+    spec["containers"][0]["securityContext"] = {"runAsUser": 0}
+    spec["securityContext"].pop("seccompProfile")
+    found = "\n".join(_restricted_violations(where, spec))
+    for what in ("runAsUser 0", "seccompProfile", "allowPrivilegeEscalation", "drop ALL"):
+        assert what in found
+
+
+def test_dashboard_is_reachable_only_from_the_namespace_except_metrics():
+    """dashboard-host 0.0.0.0 is deliberate (the submitter uses its job API); the NetworkPolicy
+    admits other namespaces to the metrics ports only."""
+    objects = rendered("cpu-demo")
+    head = head_container(objects)
+    assert (
+        one(objects, "RayCluster")["spec"]["headGroupSpec"]["rayStartParams"]["dashboard-host"]
+        == "0.0.0.0"
+    )
+    policy = one(objects, "NetworkPolicy", "stppo-ray-head")
+    assert policy["spec"]["podSelector"]["matchLabels"] == {
+        "ray.io/cluster": "stppo",
+        "ray.io/node-type": "head",
+    }
+    rules = policy["spec"]["ingress"]
+    same_namespace = [r for r in rules if r["from"] == [{"podSelector": {}}]]
+    assert same_namespace and "ports" not in same_namespace[0]
+    (other,) = [r for r in rules if r["from"] == [{"namespaceSelector": {}}]]
+    opened = {p["port"] for p in other["ports"]}
+    metric_ports = {
+        container_port(head, n) for n in ("metrics", "as-metrics", "dash-metrics", "stppo-metrics")
+    }
+    assert opened == metric_ports
+    for closed in ("dashboard", "gcs-server", "client", "control"):
+        assert container_port(head, closed) not in opened
+
+
+# --------------------------------------------------------------------------- init containers
+
+
+def _wait_script(overlay: str, init_name: str) -> tuple[list[str], dict[str, str]]:
+    for _, _, spec in pod_specs(rendered(overlay)):
+        for c in spec.get("initContainers", []):
+            if c["name"] == init_name:
+                env = {e["name"]: e["value"] for e in c.get("env", [])}
+                return c["command"] + c["args"], env
+    raise AssertionError(f"no init container {init_name}")
+
+
+def _run_wait(argv: list[str], env: dict[str, str]) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    out = subprocess.run(
+        argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+    )
+    return out.returncode, out.stdout + out.stderr, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_init_containers_have_a_deadline(overlay):
+    for name in ("wait-for-data", "wait-for-retrieval"):
+        _, env = _wait_script(overlay, name)
+        assert 0 < int(env["WAIT_TIMEOUT_S"]) <= 4 * 3600, name
+    objects = rendered(overlay)
+    job = one(objects, "Job", "stppo-prepare")
+    assert job["spec"]["activeDeadlineSeconds"] <= 4 * 3600
+    rayjob = one(objects, "RayJob")
+    assert 0 < rayjob["spec"]["preRunningDeadlineSeconds"] <= 6 * 3600
+
+
+def test_wait_for_data_fails_clearly_at_its_deadline_and_passes_with_the_marker(tmp_path):
+    """The rendered init container's own script, run by /bin/sh with a 2 s deadline."""
+    argv, env = _wait_script("cpu-demo", "wait-for-data")
+    env.update(WAIT_TIMEOUT_S="2", WAIT_POLL_S="1", PREPARED_MARKER=str(tmp_path / ".prepared"))
+    rc, out, elapsed = _run_wait(argv, env)
+    assert rc == 1 and elapsed < 10
+    assert "not there after 2s" in out and "logs job/stppo-prepare" in out
+    (tmp_path / ".prepared").touch()
+    rc, out, _ = _run_wait(argv, env)
+    assert rc == 0, out
+
+
+def test_wait_for_retrieval_fails_clearly_at_its_deadline_and_passes_when_ready():
+    import http.server
+    import socket
+    import threading
+
+    if shutil.which("wget") is None:
+        pytest.skip("wget missing (the image installs it)")
+    argv, env = _wait_script("cpu-demo", "wait-for-retrieval")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    env.update(WAIT_TIMEOUT_S="2", WAIT_POLL_S="1")
+    env["RETRIEVAL_HEALTHZ"] = f"http://127.0.0.1:{closed_port}/healthz"
+    rc, out, elapsed = _run_wait(argv, env)
+    assert rc == 1 and elapsed < 15
+    assert "not ready after 2s" in out
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env["RETRIEVAL_HEALTHZ"] = f"http://127.0.0.1:{server.server_address[1]}/healthz"
+        rc, out, _ = _run_wait(argv, env)
+        assert rc == 0, out
+    finally:
+        server.shutdown()
 
 
 def test_prometheus_k8s_config_uses_the_manifest_annotations():
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
-    (job,) = config["scrape_configs"]
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == {"stppo-pods", "ray-pods"}
+    ray_keep = {
+        r["source_labels"][0]: r["regex"] for r in jobs["ray-pods"]["relabel_configs"]
+        if r.get("action") == "keep"
+    }  # fmt: skip
+    assert ray_keep["__meta_kubernetes_pod_container_port_name"] == "metrics"
+    job = jobs["stppo-pods"]
     sources = {s for r in job["relabel_configs"] for s in r.get("source_labels", [])}
     for key in ("scrape", "port", "path"):
         assert f"__meta_kubernetes_pod_annotation_prometheus_io_{key}" in sources
