@@ -41,8 +41,22 @@ class RetrievalServerConfig(BaseModel):
     """``topk`` used when a request leaves it out (Search-R1 behaviour)."""
 
     max_body_bytes: int = Field(8 * 2**20, ge=1024, le=2**30)
-    """Request bodies larger than this (bytes) are rejected with 413 before parsing. Must fit
-    the largest schema-valid request (see ``_body_fits_largest_request``)."""
+    """Request bodies larger than this (bytes) are rejected with 413 before parsing, whether
+    declared by Content-Length or streamed (chunked): the count stops at the limit, the rest
+    is never read. Must fit the largest schema-valid request (see
+    ``_body_fits_largest_request``)."""
+
+    max_connections: int = Field(512, ge=1, le=100_000)
+    """Open connections plus requests in progress above which new requests get 503 at once
+    (uvicorn ``limit_concurrency``), so a flood of slow clients cannot exhaust the process."""
+
+    header_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
+    """Seconds a connection may take to send a complete request head (request line and
+    headers), on connect and between keep-alive requests; after that it is closed."""
+
+    body_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    """Seconds a request may take to send its whole body once its headers are in; a slower
+    (stalled or half-sent) body gets 408 and the connection is closed."""
 
     build_missing_index: bool = False
     """Build the index on start when ``index_dir/<method>`` is missing (logged); otherwise a

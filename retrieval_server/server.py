@@ -13,6 +13,11 @@ Example::
     serve(RetrievalServerConfig(method="bm25", port=8001))
     # curl -s localhost:8001/retrieve -d '{"queries": ["capital of peru"], "topk": 3}'
 
+Hostile clients: bodies are capped while they are read (413, chunked ones too) and must
+arrive within ``body_timeout_s`` (408); a request head must arrive within
+``header_timeout_s`` (else the connection is closed; :mod:`retrieval_server.protocol`);
+past ``max_connections`` new requests get 503 at once.
+
 Errors: bad input gets 4xx with ``{"error": <reason>, "detail": <text>}`` (see
 :mod:`retrieval_server.schemas`); a search that raises gets 500 with reason ``search_failed``
 and the server keeps serving.
@@ -39,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from retrieval_server.batching import SearchBatcher
 from retrieval_server.config import RetrievalServerConfig
 from retrieval_server.metrics import RetrievalMetrics
+from retrieval_server.protocol import HeadTimeoutProtocol, configure_head_timeout
 from retrieval_server.retrievers import Retriever
 from retrieval_server.schemas import (
     ErrorResponse,
@@ -119,9 +125,57 @@ def _describe(error: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- ASGI guard
 
 
-class RequestGuard:
-    """Pure ASGI middleware: rejects oversized bodies (413) and counts/times every request.
+class BodyRejected(Exception):
+    """Internal: the request body broke a limit while being read (413 or 408)."""
 
+    def __init__(self, status: int, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.reason, self.detail = status, reason, detail
+
+
+async def read_body_capped(
+    receive: Callable[[], Awaitable[Message]], limit_bytes: int, timeout_s: float
+) -> list[Message]:
+    """Read every ``http.request`` message of one request, counting body bytes as they come.
+
+    Args:
+        receive: the ASGI receive callable.
+        limit_bytes: most body bytes accepted (Content-Length declared or streamed alike).
+        timeout_s: seconds allowed for the whole body.
+
+    Returns:
+        The messages read, in order (the last has ``more_body`` False, or is a disconnect).
+
+    Raises:
+        BodyRejected: 413 ``body_too_large`` as soon as the running count passes
+            ``limit_bytes`` (nothing more is read), or 408 ``body_timeout`` when the body is
+            not complete within ``timeout_s``.
+    """
+    messages: list[Message] = []
+    num_bytes = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await receive()
+                messages.append(message)
+                if message["type"] != "http.request":
+                    return messages  # http.disconnect: the app sees it and gives up
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > limit_bytes:
+                    raise BodyRejected(413, "body_too_large", f"body is over {limit_bytes} bytes")
+                if not message.get("more_body", False):
+                    return messages
+    except TimeoutError:
+        raise BodyRejected(408, "body_timeout", f"body not complete within {timeout_s} s") from None
+
+
+class RequestGuard:
+    """Pure ASGI middleware: caps and times request bodies, counts/times every request.
+
+    The body is read here, before the app runs: at most ``max_body_bytes`` (a Content-Length
+    over it is refused without reading; a chunked body is refused with 413 the moment its
+    running count passes it) within ``body_timeout_s`` (else 408). Both answers carry
+    ``Connection: close`` so uvicorn drops the connection and the unread rest of the body.
     Pure ASGI (not ``BaseHTTPMiddleware``) to keep per-request overhead in microseconds.
     """
 
@@ -135,15 +189,34 @@ class RequestGuard:
             return
         path = scope["path"]
         endpoint = path if path in ("/retrieve", "/healthz", "/metrics") else "other"
+        config = self.state.config
+        try:
+            if _declared_length(scope) > config.max_body_bytes:
+                raise BodyRejected(
+                    413, "body_too_large", f"body is over {config.max_body_bytes} bytes"
+                )
+            messages = await read_body_capped(receive, config.max_body_bytes, config.body_timeout_s)
+        except BodyRejected as rejected:
+            await self._reject(rejected, endpoint, scope, receive, send)
+            return
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self._run_app(scope, replay, send, endpoint)
+
+    async def _reject(
+        self, rejected: BodyRejected, endpoint: str, scope: Scope, receive: Any, send: Any
+    ) -> None:
         metrics = self.state.metrics
-        limit = self.state.config.max_body_bytes
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                metrics.errors.labels("body_too_large").inc()
-                metrics.requests.labels(endpoint, "413").inc()
-                response = _error(413, "body_too_large", f"body is over {limit} bytes")
-                await response(scope, receive, send)
-                return
+        metrics.errors.labels(rejected.reason).inc()
+        metrics.requests.labels(endpoint, str(rejected.status)).inc()
+        response = _error(rejected.status, rejected.reason, rejected.detail)
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)
+
+    async def _run_app(self, scope: Scope, receive: Any, send: Any, endpoint: str) -> None:
+        metrics = self.state.metrics
         status = {"code": 500}
 
         async def send_and_record(message: Message) -> None:
@@ -158,6 +231,14 @@ class RequestGuard:
             if endpoint == "/retrieve":
                 metrics.latency.observe(time.perf_counter() - start)
             metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+
+def _declared_length(scope: Scope) -> int:
+    """The Content-Length header as an int (0 when absent or not a number)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length" and value.isdigit():
+            return int(value)
+    return 0
 
 
 # ---------------------------------------------------------------------------------- app
@@ -275,6 +356,7 @@ def create_app(
 
     error_responses: dict[int | str, dict[str, Any]] = {
         400: {"model": ErrorResponse, "description": "Body could not be decoded."},
+        408: {"model": ErrorResponse, "description": "Body not complete within body_timeout_s."},
         413: {"model": ErrorResponse, "description": "Body over max_body_bytes."},
         422: {"model": ErrorResponse, "description": "Invalid request; `error` names why."},
         500: {"model": ErrorResponse, "description": "The search itself failed."},
@@ -342,7 +424,9 @@ def create_app_from_env() -> FastAPI:
     raw = os.environ.get(CONFIG_ENV)
     if not raw:
         raise RuntimeError(f"${CONFIG_ENV} is not set (serve() sets it for workers)")
-    return create_app(RetrievalServerConfig.model_validate_json(raw), load_before_serving=True)
+    config = RetrievalServerConfig.model_validate_json(raw)
+    configure_head_timeout(config.header_timeout_s)
+    return create_app(config, load_before_serving=True)
 
 
 def serve(config: RetrievalServerConfig) -> None:
@@ -358,7 +442,15 @@ def serve(config: RetrievalServerConfig) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    common = dict(host=config.host, port=config.port, log_level=config.log_level, access_log=False)
+    configure_head_timeout(config.header_timeout_s)
+    common = dict(
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=False,
+        http=HeadTimeoutProtocol,
+        limit_concurrency=config.max_connections,
+    )
     if config.workers == 1:
         uvicorn.run(create_app(config), **common)
         return

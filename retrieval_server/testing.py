@@ -72,11 +72,15 @@ def _command(config: RetrievalServerConfig) -> list[str]:
 
 
 def start_server(
-    config: RetrievalServerConfig, log_path: Path, startup_timeout_s: float = 120.0
+    config: RetrievalServerConfig,
+    log_path: Path,
+    startup_timeout_s: float = 120.0,
+    append: bool = False,
 ) -> RunningServer:
     """Build the index if needed, start ``python -m retrieval_server`` and wait for /healthz 200.
 
     ``config.port`` 0 is replaced by a free port; ``config.host`` should be loopback.
+    ``append`` keeps what ``log_path`` already holds (a restart after a crash).
 
     Raises:
         ServerStartError: the process exited, /healthz said ``failed``, or it was not healthy
@@ -91,7 +95,7 @@ def start_server(
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    with log_path.open("wb") as log_file:
+    with log_path.open("ab" if append else "wb") as log_file:
         process = subprocess.Popen(
             _command(config), stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=root
         )
