@@ -1,7 +1,10 @@
 """The staleness-tagged trajectory buffer between rollout actors and the learner.
 
 Every trajectory is stamped with the ``policy_version`` of the weights that generated it
-where it is made (the rollout actor). Staleness is checked here, at consume time, by one
+where it is made (the rollout actor). A take consumes the oldest versions first (ties in
+arrival order), the consume-side half of the admission rule in :mod:`learner.admission`,
+which is what makes drops impossible at a constant bound. Staleness is checked here, at
+consume time, by one
 small pure function (:func:`is_too_stale`); a trajectory over the bound is dropped and
 counted, or kept with its staleness recorded (``stale_policy="keep"``). Never silently
 accepted: every consumed trajectory's staleness is returned so it can be exported.
@@ -47,7 +50,8 @@ class TakeResult:
     """What :meth:`StalenessBuffer.take` hands to the learner.
 
     Attributes:
-        trajectories: Up to ``n`` trajectories within the staleness bound, FIFO order.
+        trajectories: Up to ``n`` trajectories within the staleness bound, oldest
+            ``policy_version_min`` first, ties in arrival order.
         staleness: Staleness (learner steps) of each returned trajectory, same order.
         dropped_stale: Trajectories discarded by this call for exceeding the bound.
         dropped_retrieval_failed: Trajectories discarded because a search failed after retries.
@@ -75,7 +79,8 @@ class BufferStats:
 
 @dataclass
 class StalenessBuffer:
-    """FIFO of trajectories with a capacity (backpressure) and consume-time staleness control.
+    """Trajectories with a capacity (backpressure) and consume-time staleness control,
+    consumed oldest version first (ties FIFO).
 
     Args:
         capacity: Maximum trajectories held. :meth:`put` accepts only what fits and reports the
@@ -119,9 +124,24 @@ class StalenessBuffer:
             raise ValueError(f"stale_policy must be 'drop' or 'keep', got {stale_policy!r}")
         self.stale_policy = stale_policy
 
+    def set_capacity(self, capacity: int) -> None:
+        """Change the capacity (live, e.g. after ``max_staleness`` grew); never drops items."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+
+    def ready_counts(self, learner_version: int) -> dict[int, int]:
+        """version -> count of held trajectories a take at ``learner_version`` could return
+        (not retrieval-failed, not over the bound); no side effects."""
+        ready: dict[int, int] = {}
+        for t in self._items:
+            if self._consumable(t, learner_version):
+                ready[t.policy_version_min] = ready.get(t.policy_version_min, 0) + 1
+        return ready
+
     def free_slots(self) -> int:
         """Trajectories that can still be put before the buffer is full."""
-        return self.capacity - len(self._items)
+        return max(0, self.capacity - len(self._items))
 
     def put(self, trajectories: Sequence[Trajectory]) -> int:
         """Append trajectories in order; those beyond capacity are rejected and counted.
@@ -154,7 +174,7 @@ class StalenessBuffer:
         return sum(1 for t in self._items if self._consumable(t, learner_version))
 
     def take(self, n: int, learner_version: int) -> TakeResult:
-        """Pop up to ``n`` consumable trajectories in FIFO order.
+        """Pop up to ``n`` consumable trajectories, oldest ``policy_version_min`` first.
 
         Stale ones met on the way are dropped and counted (policy ``drop``); ones whose search
         failed after retries are dropped and counted too (they carry no valid reward).
@@ -164,6 +184,7 @@ class StalenessBuffer:
         out: list[Trajectory] = []
         staleness: list[int] = []
         result = TakeResult(out, staleness)
+        self._items = deque(sorted(self._items, key=lambda t: t.policy_version_min))  # stable
         while self._items and len(out) < n:
             traj = self._items.popleft()
             s = staleness_of(traj, learner_version)
@@ -204,17 +225,3 @@ class StalenessBuffer:
         if self.stale_policy == "keep":
             return True
         return not is_too_stale(staleness_of(traj, learner_version), self.max_staleness)
-
-
-def may_start_rollout(
-    engine_version: int, learner_version: int, learner_step_in_flight: bool, max_staleness: int
-) -> bool:
-    """Admission control for new rollouts: would their output still be fresh enough?
-
-    A rollout started now with ``engine_version`` weights is consumed no earlier than at
-    ``learner_version + learner_step_in_flight``; starting it is pointless if it would already
-    be over the bound then. With ``max_staleness = 0`` this makes generation wait for each
-    learner step and weight sync: synchronous PPO through the same loop.
-    """
-    earliest_consume_version = learner_version + int(learner_step_in_flight)
-    return earliest_consume_version - engine_version <= max_staleness

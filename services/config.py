@@ -91,7 +91,7 @@ class RetrievalSection(StrictModel):
 class BufferConfig(StrictModel):
     """The staleness-tagged trajectory buffer between actors and learner."""
 
-    max_staleness: int = Field(1, ge=0, le=1_000_000)
+    max_staleness: int = Field(1, ge=0, le=10_000)
     """Largest ``learner_version - policy_version`` accepted at consume time; 0 = on-policy
     (synchronous). Live-tunable."""
 
@@ -100,14 +100,18 @@ class BufferConfig(StrictModel):
     its staleness."""
 
     capacity: int = Field(64, ge=1, le=10_000_000)
-    """Maximum trajectories held; producers block (backpressure) when full."""
+    """Maximum trajectories held (a safety cap). Staleness-aware admission
+    (:mod:`learner.admission`) never has more than ``(max_staleness + 1) *
+    learner.train_batch_size`` unconsumed, so the buffer's effective capacity is
+    ``max(capacity, (max_staleness + 1) * train_batch_size)``, re-derived on live changes."""
 
 
 class SyncConfig(StrictModel):
     """Weight synchronisation learner -> engines."""
 
-    every_k_steps: int = Field(1, ge=1)
-    """Push new weights after every k learner steps."""
+    every_k_steps: int = Field(1, ge=1, le=10_000)
+    """Push new weights after every k learner steps; at most ``buffer.max_staleness + 1``
+    (engines that lag more could start nothing in bound: deadlock)."""
 
     transport: Literal["object_store", "nccl"] = "object_store"
     """In-memory transport: Ray object store (CPU) or NCCL broadcast (GPU)."""
@@ -257,6 +261,31 @@ class RunConfig(StrictModel):
     def run_dir(self) -> Path:
         """``<run.output_dir>/<run.name>``."""
         return self.run.output_dir / self.run.name
+    @model_validator(mode="after")
+    def _check_staleness_budget(self) -> RunConfig:
+        # learner.admission: at most (s + 1) * B trajectories may be unconsumed at once
+        s, batch = self.buffer.max_staleness, self.learner.train_batch_size
+        per_call = self.rollout.prompts_per_batch * self.rollout.group_size
+        if per_call > (s + 1) * batch:
+            raise ValueError(
+                f"one rollout call (rollout.prompts_per_batch * rollout.group_size = {per_call}) "
+                f"exceeds (buffer.max_staleness + 1) * learner.train_batch_size = "
+                f"{(s + 1) * batch}: it could never start within the staleness bound"
+            )
+        if self.sync.every_k_steps > s + 1:
+            raise ValueError(
+                f"sync.every_k_steps ({self.sync.every_k_steps}) must be <= "
+                f"buffer.max_staleness + 1 ({s + 1}): engines lagging more cannot generate "
+                "anything within the bound"
+            )
+        return self
+
+    @property
+    def effective_buffer_capacity(self) -> int:
+        """``max(buffer.capacity, (max_staleness + 1) * train_batch_size)``."""
+        required = (self.buffer.max_staleness + 1) * self.learner.train_batch_size
+        return max(self.buffer.capacity, required)
+
 
 
 # --------------------------------------------------------------------------- loading

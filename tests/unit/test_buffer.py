@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from actors.trajectory import Trajectory
-from learner.buffer import StalenessBuffer, is_too_stale, may_start_rollout, staleness_of
+from learner.buffer import StalenessBuffer, is_too_stale, staleness_of
 
 
 def make_traj(
@@ -46,19 +46,29 @@ def test_bound_is_inclusive():
     assert is_too_stale(1, max_staleness=0)
 
 
-def test_take_drops_and_counts_stale_in_fifo_order():
+def test_take_is_oldest_version_first_and_drops_and_counts_stale():
     buf = StalenessBuffer(capacity=10, max_staleness=1)
-    buf.put([make_traj(v, f"q{i}") for i, v in enumerate([0, 1, 2, 2, 0])])
-    # learner at version 2: staleness 2,1,0,0,2 -> q0 and q4 are over the bound
+    buf.put([make_traj(v, f"q{i}") for i, v in enumerate([2, 1, 2, 0, 1, 0])])
+    # learner at version 2: q3 and q5 (version 0) are over the bound and met first
     res = buf.take(3, learner_version=2)
-    assert [t.question_id for t in res.trajectories] == ["q1", "q2", "q3"]
-    assert res.staleness == [1, 0, 0]
-    assert res.dropped_stale == 1  # q0 met on the way; q4 still held
+    assert [t.question_id for t in res.trajectories] == ["q1", "q4", "q0"]  # ties: arrival
+    assert res.staleness == [1, 1, 0]
+    assert res.dropped_stale == 2
     assert buf.stats().depth == 1
     res2 = buf.take(3, learner_version=2)
-    assert res2.trajectories == [] and res2.dropped_stale == 1
+    assert [t.question_id for t in res2.trajectories] == ["q2"] and res2.dropped_stale == 0
     s = buf.stats()
-    assert (s.taken_total, s.dropped_stale_total, s.depth) == (3, 2, 0)
+    assert (s.taken_total, s.dropped_stale_total, s.depth) == (4, 2, 0)
+
+
+def test_ready_counts_by_version_exclude_stale_and_failed():
+    buf = StalenessBuffer(capacity=10, max_staleness=1)
+    buf.put([make_traj(0), make_traj(1), make_traj(1), make_traj(2, failed=True), make_traj(2)])
+    assert buf.ready_counts(2) == {1: 2, 2: 1}
+    assert buf.stats().depth == 5  # no side effects
+    buf.set_capacity(3)  # never drops what is held
+    assert buf.free_slots() == 0 and buf.put([make_traj(2)]) == 0
+    assert buf.stats().depth == 5
 
 
 def test_keep_policy_consumes_and_records_staleness():
@@ -111,16 +121,3 @@ def test_purge_stale_counts():
     buf.put([make_traj(0, "a"), make_traj(2, "b")])
     assert buf.purge_stale(learner_version=3) == 1
     assert buf.stats().dropped_stale_total == 1
-
-
-@pytest.mark.parametrize(
-    ("engine_v", "learner_v", "in_flight", "bound", "expected"),
-    [
-        (5, 5, False, 0, True),  # synchronous: fresh weights, learner idle -> go
-        (5, 5, True, 0, False),  # synchronous: a step is running -> wait for its weights
-        (4, 5, True, 2, True),  # consumed at >= 6: staleness 2 <= 2
-        (3, 5, True, 2, False),  # consumed at >= 6: staleness 3 > 2
-    ],
-)
-def test_admission_control(engine_v, learner_v, in_flight, bound, expected):
-    assert may_start_rollout(engine_v, learner_v, in_flight, bound) is expected
