@@ -6,6 +6,14 @@
 run: setup
 	.venv/bin/stppo train @deploy/configs/cpu_demo.toml
 
+# No silent skips (tests/conftest.py): a skipped test fails the run unless it is GPU-only or
+# its category is listed in STPPO_ALLOW_SKIP. vllm is allowed here because vLLM is not in
+# the main venv yet (scripts/setup_vllm_cpu.sh installs it separately); remove it from the
+# list once it is. Extend it from the command line, e.g. `make test STPPO_ALLOW_SKIP=vllm,prometheus`
+# on a machine where scripts/install_system_deps.sh cannot install Prometheus.
+STPPO_ALLOW_SKIP ?= vllm
+export STPPO_ALLOW_SKIP
+
 test: setup
 	scripts/install_system_deps.sh
 	# exit 5 = pytest collected no tests: say so instead of a bare make error

@@ -3,8 +3,21 @@
 #   prometheus  Debian's Prometheus server, started on loopback by
 #               tests/integration/test_prometheus_scrape.py to scrape services.metrics.
 # Needs root (or passwordless sudo) for apt-get; without it, or without a reachable Debian
-# mirror, it says so and exits 0: the Prometheus test then skips, naming this script.
+# mirror, it says so and exits 1 (make test stops: the Prometheus tests would not run),
+# unless STPPO_ALLOW_SKIP lists "prometheus" (then it warns, exits 0, and those tests skip).
 set -uo pipefail
+
+cannot_install() {  # $1 = why
+  echo "[install_system_deps] $1" >&2
+  local allow=",${STPPO_ALLOW_SKIP:-},"
+  case "${allow// /}" in
+    *,prometheus,*)
+      echo "[install_system_deps] STPPO_ALLOW_SKIP includes prometheus: continuing; the Prometheus tests will skip" >&2
+      exit 0 ;;
+  esac
+  echo "[install_system_deps] install it, or set STPPO_ALLOW_SKIP=prometheus to run without (see README)" >&2
+  exit 1
+}
 
 PACKAGES=(prometheus)
 
@@ -24,13 +37,11 @@ if [ "$(id -u)" -ne 0 ]; then
   if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
     SUDO="sudo -n"
   else
-    echo "[install_system_deps] not root and no passwordless sudo: cannot install ${missing[*]}" >&2
-    exit 0
+    cannot_install "not root and no passwordless sudo: cannot install ${missing[*]}"
   fi
 fi
 if ! command -v apt-get >/dev/null; then
-  echo "[install_system_deps] no apt-get (not Debian/Ubuntu): cannot install ${missing[*]}" >&2
-  exit 0
+  cannot_install "no apt-get (not Debian/Ubuntu): cannot install ${missing[*]}"
 fi
 
 export DEBIAN_FRONTEND=noninteractive
@@ -51,6 +62,11 @@ if [ $created_policy -eq 1 ]; then
   $SUDO rm -f "$policy"
 fi
 if [ $rc -ne 0 ]; then
-  echo "[install_system_deps] apt-get failed (rc=$rc): ${missing[*]} not installed" >&2
+  cannot_install "apt-get failed (rc=$rc): ${missing[*]} not installed"
 fi
+for pkg in "${missing[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+    cannot_install "$pkg still not installed after apt-get"
+  fi
+done
 exit 0

@@ -1,5 +1,14 @@
 """Shared fixtures. Tests run against the assets built by ``stppo prepare`` (the README test
-command builds them first); a missing asset is an error naming the command, not a skip."""
+command builds them first); a missing asset is an error naming the command, not a skip.
+
+No silent skips: a skipped test *fails* unless it is GPU-only (under ``tests/gpu/`` or
+marked ``gpu``; skipped by name when there is no CUDA device) or its skip reason falls in
+a category listed in ``STPPO_ALLOW_SKIP`` (comma-separated, e.g. ``STPPO_ALLOW_SKIP=vllm``):
+
+- ``prometheus``: the Prometheus / promtool binaries are missing;
+- ``vllm``: the ``vllm`` package is not importable (or, for the reverse test, it is);
+- ``kubectl`` / ``wget``: those command-line tools are missing.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +23,48 @@ configure_local_caches()
 
 DATA_DIR = Path(os.environ.get("STPPO_DATA_DIR", PROJECT_ROOT / "data"))
 MODEL_DIR = DATA_DIR / "model" / "smollm2-135m-instruct"
+
+
+ALLOW_SKIP_ENV = "STPPO_ALLOW_SKIP"
+SKIP_CATEGORIES: dict[str, tuple[str, ...]] = {
+    "prometheus": ("prometheus", "promtool"),
+    "vllm": ("vllm",),
+    "kubectl": ("kubectl",),
+    "wget": ("wget",),
+}
+
+
+def skip_category(reason: str) -> str | None:
+    """The :data:`SKIP_CATEGORIES` key whose keyword appears in ``reason`` (None if none)."""
+    low = reason.lower()
+    return next((c for c, words in SKIP_CATEGORIES.items() if any(w in low for w in words)), None)
+
+
+def skip_allowed(nodeid: str, is_gpu: bool, reason: str, allow: str) -> bool:
+    """May this skip stand? GPU-only tests always; others only by an allowed category."""
+    if is_gpu or nodeid.startswith("tests/gpu/"):
+        return True
+    allowed = {c.strip() for c in allow.split(",") if c.strip()}
+    return skip_category(reason) in allowed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    is_gpu = item.get_closest_marker("gpu") is not None
+    if skip_allowed(item.nodeid, is_gpu, reason, os.environ.get(ALLOW_SKIP_ENV, "")):
+        return
+    category = skip_category(reason) or "<none: fix the test or its environment>"
+    report.outcome = "failed"
+    report.longrepr = (
+        f"skipped without permission: {reason}\n"
+        f"(no silent skips; to allow this one set {ALLOW_SKIP_ENV}={category}, see README)"
+    )
 
 
 def _require(path: Path) -> Path:
