@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,8 +139,12 @@ class BM25Retriever:
         return [row for row in (self._stem_to_row.get(s) for s in stems) if row is not None]
 
     def score_rows(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """BM25 score of every passage matching at least one of ``rows`` (a repeated query
-        term counts again, as in bm25s).
+        """BM25 score of every passage matching at least one of ``rows``.
+
+        A term repeated n times in the query counts n times, as in bm25s, but its postings
+        are read once and weighted by n: a 4,096-character query of a few common words
+        costs what the distinct words cost, not what every repetition would. Rows are kept
+        in first-occurrence order, so a query without repeats sums exactly as before.
 
         Returns:
             (passage_indices int64 (m,), scores float64 (m,)), passages in increasing order.
@@ -147,9 +152,15 @@ class BM25Retriever:
         Sums the precomputed contributions with ``np.bincount`` instead of bm25s's
         ``np.add.at`` (several times faster; same sums up to float rounding).
         """
-        spans = [(int(self._indptr[r]), int(self._indptr[r + 1])) for r in rows]
-        indices = np.concatenate([self._indices[a:b] for a, b in spans])
-        weights = np.concatenate([self._data[a:b] for a, b in spans]).astype(np.float64)
+        counts = Counter(rows)  # insertion-ordered: first occurrence first
+        spans = [(int(self._indptr[r]), int(self._indptr[r + 1]), n) for r, n in counts.items()]
+        indices = np.concatenate([self._indices[a:b] for a, b, _ in spans])
+        weights = np.concatenate(
+            [
+                self._data[a:b].astype(np.float64) * n if n > 1 else self._data[a:b]
+                for a, b, n in spans
+            ]
+        ).astype(np.float64)
         if len(indices) * 32 < self._num_docs:  # few postings: aggregate sparsely
             candidates, inverse = np.unique(indices, return_inverse=True)
             return candidates.astype(np.int64), np.bincount(inverse, weights=weights)
