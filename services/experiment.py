@@ -25,6 +25,7 @@ for exactly that and ignores a single bad batch.
 
 from __future__ import annotations
 
+import importlib.resources
 import itertools
 import json
 import math
@@ -38,8 +39,31 @@ from pydantic import Field, field_validator
 from learner.config import StrictModel
 from services.config import ConfigError, RunConfig, _format_validation_error, load_config, read_toml
 
-EXPERIMENTS_DIR = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "experiments"
+SOURCE_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "deploy" / "configs"
+"""``deploy/configs`` of a source checkout."""
+
+
+def _configs_dir() -> Path:
+    """``deploy/configs`` as installed: the package data ``services/configs`` (a wheel, the
+    container image; a link to ``deploy/configs`` in the source tree), else the source tree."""
+    packaged = Path(str(importlib.resources.files("services") / "configs"))
+    return packaged if (packaged / "experiments").is_dir() else SOURCE_CONFIGS_DIR
+
+
+CONFIGS_DIR = _configs_dir()
+"""The run configs shipped with the package (``deploy/configs``)."""
+
+EXPERIMENTS_DIR = CONFIGS_DIR / "experiments"
 """Where named grids live (``<name>.toml``)."""
+
+
+def resolve_base_config(path: Path | None) -> Path | None:
+    """``base_config`` as written (relative to the working directory) if it exists there,
+    else a ``deploy/configs/...`` path looked up in :data:`CONFIGS_DIR` (an installed package
+    has no source tree)."""
+    if path is None or path.exists() or path.parts[:2] != ("deploy", "configs"):
+        return path
+    return CONFIGS_DIR.joinpath(*path.parts[2:])
 
 
 class CollapseRule(StrictModel):
@@ -265,7 +289,7 @@ def _load_run_config(
     overrides += list(extra_overrides or [])
     overrides += [f"{k}={_toml_value(v)}" for k, v in fixed.items()]
     try:
-        return load_config(spec.base_config, overrides)
+        return load_config(resolve_base_config(spec.base_config), overrides)
     except ConfigError as e:
         raise ConfigError(f"run {rname}: {e}") from None
 
