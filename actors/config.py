@@ -28,11 +28,21 @@ class RetrievalClientConfig(StrictModel):
     timeout_s: float = Field(10.0, gt=0.0, le=600.0)
     """Per-request timeout in seconds."""
 
-    max_retries: int = Field(3, ge=0, le=20)
-    """Retries after the first failed attempt, with exponential backoff."""
+    max_retries: int = Field(50, ge=0, le=1000)
+    """Most retries after the first failed attempt (exponential backoff with jitter); the
+    ``retry_deadline_s`` window normally ends retrying first."""
+
+    retry_deadline_s: float = Field(60.0, gt=0.0, le=3600.0)
+    """Seconds after the first attempt during which failed attempts are retried (no retry
+    starts later). Longer than a restart of the managed retrieval server (about 4 s), so a
+    search in flight during a restart waits for it instead of failing."""
 
     backoff_initial_s: float = Field(0.2, gt=0.0, le=60.0)
     """First backoff delay in seconds (doubles each retry, with jitter)."""
+
+    backoff_max_s: float = Field(2.0, gt=0.0, le=600.0)
+    """Longest backoff delay in seconds (before jitter), so a server that comes back is
+    noticed within about this long."""
 
 
 class RolloutConfig(StrictModel):

@@ -3,9 +3,11 @@
 Every call either returns one passage list per query or raises :class:`RetrievalFailed`;
 it never turns an outage into an empty result (an empty ``<information>`` block would be
 silent reward noise). Transient failures -- connection errors, timeouts, HTTP 5xx, 429 --
-are retried ``max_retries`` times with exponential backoff plus jitter (tenacity:
-wait ``b * 2**n + uniform(0, b)`` before retry n, ``b = backoff_initial_s``, at most 30 s);
-other HTTP errors (4xx: a request the server rejects) and malformed bodies fail at once.
+are retried with exponential backoff plus jitter (tenacity: wait
+``min(b * 2**n, backoff_max_s) + uniform(0, b)`` before retry n, ``b = backoff_initial_s``)
+for ``retry_deadline_s`` seconds after the first attempt (no retry starts later; at most
+``max_retries`` retries), so a search in flight outlasts a restart of the server; other
+HTTP errors (4xx: a request the server rejects) and malformed bodies fail at once.
 :class:`RetrievalStats` counts requests, retries and failures for metrics.
 
 Only ``httpx`` and ``pydantic`` here: the actors talk to ``retrieval_server`` over HTTP and
@@ -24,7 +26,9 @@ from tenacity import (
     Retrying,
     retry_if_exception,
     stop_after_attempt,
-    wait_exponential_jitter,
+    stop_before_delay,
+    wait_exponential,
+    wait_random,
 )
 
 from actors.config import RetrievalClientConfig
@@ -167,8 +171,8 @@ class RetrievalClient:
 
         Raises:
             ValueError: no queries, or a blank query (the caller's bug; nothing is sent).
-            RetrievalFailed: the server could not answer after ``1 + max_retries`` attempts
-                (transient errors) or rejected the request / answered malformed JSON.
+            RetrievalFailed: the server could not answer within ``retry_deadline_s`` (or
+                ``1 + max_retries`` attempts) of transient errors or rejected the request / answered malformed JSON.
         """
         if not queries:
             raise ValueError("retrieve() needs at least one query")
@@ -189,13 +193,13 @@ class RetrievalClient:
 
     def _retrieve_with_retries(self, queries: list[str]) -> list[list[Passage]]:
         retrying = Retrying(
-            stop=stop_after_attempt(1 + self.config.max_retries),
-            # wait before retry n (0-based): b * 2**n + uniform(0, b), b = backoff_initial_s
-            wait=wait_exponential_jitter(
-                multiplier=self.config.backoff_initial_s,
-                jitter=self.config.backoff_initial_s,
-                max=30.0,
-            ),
+            stop=stop_after_attempt(1 + self.config.max_retries)
+            | stop_before_delay(self.config.retry_deadline_s),
+            # wait before retry n (0-based): min(b * 2**n, max) + uniform(0, b)
+            wait=wait_exponential(
+                multiplier=self.config.backoff_initial_s, max=self.config.backoff_max_s
+            )
+            + wait_random(0, self.config.backoff_initial_s),
             retry=retry_if_exception(lambda e: isinstance(e, _Transient)),
             before_sleep=self._count_retry,
             reraise=True,
