@@ -257,10 +257,6 @@ class RunConfig(StrictModel):
             )
         return self
 
-    @property
-    def run_dir(self) -> Path:
-        """``<run.output_dir>/<run.name>``."""
-        return self.run.output_dir / self.run.name
     @model_validator(mode="after")
     def _check_staleness_budget(self) -> RunConfig:
         # learner.admission: at most (s + 1) * B trajectories may be unconsumed at once
@@ -290,6 +286,10 @@ class RunConfig(StrictModel):
 
 # --------------------------------------------------------------------------- loading
 
+    @property
+    def run_dir(self) -> Path:
+        """``<run.output_dir>/<run.name>``."""
+        return self.run.output_dir / self.run.name
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
@@ -366,41 +366,52 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(_format_validation_error(e, source)) from None
 
 
-def update_config(cfg: RunConfig, changes: dict[str, Any]) -> RunConfig:
+def update_config(cfg: RunConfig, changes: dict[str, Any], strict: bool = False) -> RunConfig:
     """Return a new validated config with nested ``changes`` merged in (nothing applied on error).
 
     Used by the control plane for live changes: the whole tree is re-validated, so a change
     is applied entirely or not at all.
 
     Raises:
-        ConfigError: as :func:`load_config`.
+        ConfigError: as :func:`load_config`, and for a section given as a non-object.
     """
     data = json.loads(cfg.model_dump_json())
+    Args:
+        cfg: the current config.
+        changes: nested partial config, e.g. ``{"buffer": {"max_staleness": 2}}``.
+        strict: pydantic strict mode over JSON (the control plane): no coercion, so ``"2"``,
+            ``true`` or ``"1e-5"`` for a number, or ``2`` for a string, are errors.
 
-    def merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+
+    def merge(dst: dict[str, Any], src: dict[str, Any], path: str) -> None:
         for k, v in src.items():
-            if isinstance(v, dict) and isinstance(dst.get(k), dict):
-                merge(dst[k], v)
+            if isinstance(dst.get(k), dict):
+                if not isinstance(v, dict):
+                    raise ConfigError(f"change: {path}{k}: expected an object (a config section)")
+                merge(dst[k], v, f"{path}{k}.")
             else:
                 dst[k] = v
 
-    if "algorithm" in changes and "variant" in changes["algorithm"]:
+    algo = changes.get("algorithm")
+    if isinstance(algo, dict) and "variant" in algo:
         # a new variant has its own field set: keep only the fields it shares with the old one
-        new_variant = changes["algorithm"]["variant"]
         data["algorithm"] = {
-            "variant": new_variant,
+            "variant": algo["variant"],
             **{k: v for k, v in data["algorithm"].items() if k != "variant"},
         }
         data["algorithm"] = _fields_valid_for_variant(data["algorithm"])
-    merge(data, changes)
+    merge(data, changes, "")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, "change")) from None
 
+        if strict:
+            return RunConfig.model_validate_json(json.dumps(data), strict=True)
 
 def _fields_valid_for_variant(algo: dict[str, Any]) -> dict[str, Any]:
-    cls = VARIANT_CONFIGS.get(algo["variant"])
+    variant = algo["variant"]
+    cls = VARIANT_CONFIGS.get(variant) if isinstance(variant, str) else None
     if cls is None:
         return algo  # validation names the bad variant
     return {k: v for k, v in algo.items() if k in cls.model_fields}

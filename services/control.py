@@ -10,17 +10,25 @@ Endpoints (all JSON):
   restricted to :data:`LIVE_FIELDS`, and applied by the driver at the next learner-step
   boundary, all or nothing. Answers 202 with the dotted fields that will change.
 
-``/status`` and ``/config`` need ``Authorization: Bearer <token>`` (a per-run token printed
-at start, or ``control.token``): a missing or wrong token gets 401, an invalid change 422
-naming the field, a change to a field that cannot change live 422 too.
+``/status`` and ``/config`` need ``Authorization: Bearer <token>`` (a per-run token written
+to ``<run_dir>/control.json`` with mode 0600, or ``control.token`` / ``STPPO_CONTROL_TOKEN``;
+never printed): a missing or wrong token gets 401 (compared as UTF-8 bytes in constant time,
+so a non-ASCII token is a plain 401).
+
+Hostile bodies get a 4xx, never a 500: over :data:`MAX_BODY_BYTES` (by header or while
+streaming) 413; not JSON, nested deeper than :data:`MAX_BODY_DEPTH`, not an object, a
+section given as a non-object, a wrong type (strict: no ``"2"``/``true``/``"1e-5"``
+coercion), an out-of-bound value or a field that cannot change live: 422 naming the field.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request, status
@@ -44,6 +52,32 @@ so both would have to change at the same step boundary."""
 
 
 _BEARER = HTTPBearer(auto_error=False)
+
+MAX_BODY_BYTES = 64 * 1024
+"""Largest ``PATCH /config`` body read (a whole config tree is under 10 KiB)."""
+
+MAX_BODY_DEPTH = 8
+"""Deepest JSON nesting accepted (the config tree is 3 levels deep)."""
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (scalars 0), computed without recursion."""
+    depth, stack = 0, [(value, 0)]
+    while stack:
+        node, d = stack.pop()
+        depth = max(depth, d)
+        if isinstance(node, dict):
+            stack.extend((v, d + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, d + 1) for v in node)
+    return depth
+
+
+def tokens_match(given: str, expected: str) -> bool:
+    """Constant-time comparison of the UTF-8 bytes (``compare_digest`` rejects non-ASCII str)."""
+    return secrets.compare_digest(
+        given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass")
+    )
 
 
 def flatten(changes: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -81,13 +115,23 @@ class ControlState:
     config: RunConfig
     status: dict[str, Any] = field(default_factory=dict)
     _pending: RunConfig | None = None
+    _accepted: RunConfig | None = (
+        None  # newest accepted config (pending, being applied, or applied)
+    )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def reset(self, config: RunConfig) -> None:
+        """Driver side, before serving (e.g. on resume): this config is applied and accepted."""
+        with self._lock:
+            self.config, self._accepted, self._pending = config, config, None
+
     def request_change(self, changes: dict[str, Any]) -> list[str]:
-        """Validate a nested partial change against the current (plus pending) config.
+        """Validate a nested partial change against the newest accepted config: pending, or
+        taken by the driver and not yet published (so a change that lands while the driver
+        applies the previous one builds on it instead of reverting it).
 
         Returns:
-            The dotted fields that will change at the next step boundary.
+            The dotted fields this change changes.
 
         Raises:
             ConfigError: a field is not live-tunable, or the result fails validation.
@@ -101,10 +145,11 @@ class ControlState:
                 f"(live fields: {', '.join(LIVE_FIELDS)})"
             )
         with self._lock:
-            base = self._pending or self.config
-            new = update_config(base, changes)
-            fields = changed_fields(self.config, new)
-            self._pending = new if fields else None
+            base = self._accepted or self.config
+            new = update_config(base, changes, strict=True)
+            fields = changed_fields(base, new)
+            if fields:
+                self._pending = self._accepted = new
             return fields
 
     def take_pending(self) -> RunConfig | None:
@@ -155,6 +200,55 @@ class ChangeResponse(BaseModel):
     """When the driver applies it."""
 
 
+async def read_limited(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it exceeds ``limit`` bytes (by the
+    Content-Length header or while streaming a chunked body)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise HTTPException(413, detail=f"body over {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, detail=f"body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A JSON object of config sections, or an :class:`HTTPException` 422."""
+    import json
+
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise HTTPException(422, detail="body is nested too deeply") from None
+    except ValueError as e:  # includes UnicodeDecodeError
+        raise HTTPException(422, detail=f"body is not JSON: {e}") from None
+    if json_depth(body) > MAX_BODY_DEPTH:
+        raise HTTPException(422, detail=f"body is nested deeper than {MAX_BODY_DEPTH} levels")
+    if not isinstance(body, dict):
+        raise HTTPException(422, detail="body must be a JSON object of config sections")
+    return body
+
+
+def public_config(config: RunConfig) -> dict[str, Any]:
+    """The config as JSON for ``/status``, ``config.json`` and checkpoints: ``control.token``
+    redacted (``"<redacted>"`` when one is set)."""
+    data = config.model_dump(mode="json")
+    if data.get("control", {}).get("token"):
+        data["control"]["token"] = "<redacted>"
+    return data
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by the owner only (mode 0600, also when it exists)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
 def new_token() -> str:
     """A fresh random bearer token (32 url-safe characters)."""
     return secrets.token_urlsafe(24)
@@ -175,7 +269,7 @@ def create_control_app(state: ControlState, token: str, metrics_app=None) -> Fas
     def require_token(
         creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
     ) -> None:
-        if creds is None or not secrets.compare_digest(creds.credentials, token):
+        if creds is None or not tokens_match(creds.credentials, token):
             raise HTTPException(
                 status.HTTP_401_UNAUTHORIZED,
                 detail="missing or wrong bearer token (printed at job start)",
@@ -191,21 +285,16 @@ def create_control_app(state: ControlState, token: str, metrics_app=None) -> Fas
         config, status_fields = state.snapshot()
         return StatusResponse(
             status=status_fields,
-            config=config.model_dump(mode="json"),
+            config=public_config(config),
             pending_changes=state.pending_fields(),
         )
 
     @app.patch("/config", dependencies=[Depends(require_token)], status_code=202)
     async def patch_config(request: Request) -> ChangeResponse:
-        try:
-            body = await request.json()
-        except ValueError as e:
-            raise HTTPException(422, detail=f"body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise HTTPException(422, detail="body must be a JSON object of config sections")
+        body = parse_body(await read_limited(request, MAX_BODY_BYTES))
         try:
             accepted = state.request_change(body)
-        except ConfigError as e:
+        except (ConfigError, TypeError, ValueError, RecursionError) as e:
             raise HTTPException(422, detail=str(e)) from None
         return ChangeResponse(accepted=accepted)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
@@ -117,3 +119,153 @@ def test_live_field_rules_and_diff():
     assert changed_fields(old, new) == ["buffer.max_staleness"]
     with pytest.raises(ConfigError, match="empty change"):
         ControlState(config=old).request_change({})
+
+
+# ---------------------------------------------------------------- issue 21: token on PATCH, race
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong-token-000000000"}, {"Authorization": f"Basic {TOKEN}"}],
+)
+def test_patch_needs_the_token_and_applies_nothing_without_it(served, headers):
+    state, client, server = served
+    resp = httpx.patch(
+        f"{server.url}/config", json={"buffer": {"max_staleness": 3}}, headers=headers, timeout=30
+    )
+    assert resp.status_code == 401
+    assert state.pending_fields() == [] and state.take_pending() is None
+    assert client.get("/status").json()["config"]["buffer"]["max_staleness"] == 1
+
+
+def test_a_change_during_the_drivers_apply_builds_on_the_one_being_applied(served):
+    """Driver takes change 1 and publishes it only after its Ray calls; change 2 lands in
+    between. Both must survive, in order (issue 21: change 2 used to revert change 1)."""
+    state, client, _ = served
+    assert client.patch("/config", json={"algorithm": {"variant": "st_ppo"}}).status_code == 202
+    first = state.take_pending()  # step boundary 1: the driver starts applying
+    resp = client.patch("/config", json={"learner": {"actor_lr": 2e-5}})
+    assert resp.status_code == 202 and resp.json()["accepted"] == ["learner.actor_lr"]
+    state.publish(config=first)  # the driver's Ray calls returned
+    assert client.get("/status").json()["config"]["algorithm"]["variant"] == "st_ppo"
+    second = state.take_pending()  # step boundary 2
+    assert second.algorithm.variant == "st_ppo" and second.learner.actor_lr == 2e-5
+    state.publish(config=second)
+    # and a third change on the same field wins over the second
+    state.request_change({"learner": {"actor_lr": 3e-5}})
+    assert state.take_pending().learner.actor_lr == 3e-5
+
+
+def test_reset_discards_pending_and_rebases():
+    state = ControlState(config=load_config())
+    state.request_change({"buffer": {"max_staleness": 3}})
+    restored = load_config(None, ["algorithm.variant=ppo"])
+    state.reset(restored)
+    assert state.take_pending() is None
+    new = (state.request_change({"learner": {"actor_lr": 1e-5}}), state.take_pending())[1]
+    assert new.algorithm.variant == "ppo" and new.buffer.max_staleness == 1
+
+
+# ---------------------------------------------------------------- issue 16: hostile input
+
+
+def test_non_ascii_token_is_401_not_500(served):
+    _, _, server = served
+    raw = "Bearer tökén-ünïcode-0000000000".encode()
+    for method in ("GET", "PATCH"):
+        path = "/status" if method == "GET" else "/config"
+        resp = httpx.request(
+            method, f"{server.url}{path}", headers=[(b"Authorization", raw)], json={}, timeout=30
+        )
+        assert resp.status_code == 401, resp.text
+
+
+def test_a_non_ascii_configured_token_still_works():
+    from services.control import tokens_match
+
+    assert tokens_match("ünïcode-token-0000000", "ünïcode-token-0000000")
+    assert not tokens_match("unicode-token-0000000", "ünïcode-token-0000000")
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"buffer": {"max_staleness": "2"}}, "buffer.max_staleness"),
+        ({"buffer": {"max_staleness": True}}, "buffer.max_staleness"),
+        ({"buffer": {"max_staleness": 2.0}}, "buffer.max_staleness"),
+        ({"learner": {"actor_lr": "1e-5"}}, "learner.actor_lr"),
+        ({"algorithm": 5}, "algorithm"),
+        ({"algorithm": {"variant": ["ppo"]}}, "algorithm"),
+        ({"algorithm": {"variant": None}}, "algorithm"),
+        ({"buffer": [1]}, "buffer"),
+        ({"sync": {"every_k_steps": 10**9}}, "sync.every_k_steps"),
+        ({"sync": {"every_k_steps": 5}}, "sync.every_k_steps"),  # > max_staleness + 1
+        ({"rollout": {"num_actors": 10**6}}, "rollout.num_actors"),
+        ({"buffer": {"max_staleness": 10**9}}, "buffer.max_staleness"),
+    ],
+)
+def test_loose_or_out_of_bound_values_are_422(served, body, needle):
+    state, client, _ = served
+    resp = client.patch("/config", json=body)
+    assert resp.status_code == 422, resp.text
+    assert needle in resp.json()["detail"]
+    assert state.take_pending() is None
+
+
+@pytest.mark.parametrize("depth", [9, 50, 100_000])
+def test_deeply_nested_bodies_are_4xx(served, depth):
+    state, client, _ = served
+    body = ("[" * depth + "]" * depth).encode() if depth > 60_000 else None
+    if body is None:
+        inner: object = 1
+        for _ in range(depth):
+            inner = {"a": inner}
+        body = json.dumps({"buffer": inner}).encode()
+    resp = client.patch("/config", content=body, headers={"Content-Type": "application/json"})
+    assert 400 <= resp.status_code < 500, resp.text
+    assert state.take_pending() is None
+
+
+def test_deep_json_within_the_size_limit_is_422_not_500(served):
+    state, client, _ = served
+    body = b'{"buffer":' + b"[" * 30_000 + b"]" * 30_000 + b"}"  # 60 KB < 64 KiB
+    resp = client.patch("/config", content=body, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 422 and state.take_pending() is None
+
+
+def test_body_limit_by_header_and_while_streaming(served):
+    from services.control import MAX_BODY_BYTES
+
+    state, client, _ = served
+    big = b'{"buffer": {"max_staleness": 2}, "pad": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    assert client.patch("/config", content=big).status_code == 413
+
+    def chunks():  # no Content-Length: chunked transfer encoding
+        yield b'{"buffer": {"max_staleness": 2}, "pad": "'
+        for _ in range(64):
+            yield b"x" * 4096
+        yield b'"}'
+
+    resp = client.patch("/config", content=chunks(), headers={"Content-Type": "application/json"})
+    assert resp.status_code == 413
+    assert state.take_pending() is None
+
+
+def test_status_never_shows_the_token():
+    from services.control import public_config
+
+    cfg = load_config(None, [f'control.token="{TOKEN}"'])
+    assert public_config(cfg)["control"]["token"] == "<redacted>"
+    assert TOKEN not in json.dumps(public_config(cfg))
+
+
+def test_write_private_is_owner_only(tmp_path):
+    import stat
+
+    from services.control import write_private
+
+    path = tmp_path / "control.json"
+    path.write_text("old")
+    path.chmod(0o644)
+    write_private(path, '{"token": "x"}')
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == '{"token": "x"}'
