@@ -9,13 +9,17 @@ checks it equals this script's output, that every PromQL expression parses, and 
 metric it names is exported by ``services.metrics`` or ``retrieval_server.metrics``.
 
 Panels use the ``datasource`` template variable (any Prometheus) and Grafana's
-``$__rate_interval`` for rate windows.
+``$__rate_interval`` for rate windows. The job's series (``stppo_*``, not the retrieval
+server's) are filtered by the ``run`` and ``pod`` variables: target labels Prometheus adds on
+Kubernetes (deploy/prometheus: ``run`` from the pod label ``stppo.io/run``). "All" is ``.*``,
+which also matches series without those labels (a local Prometheus).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,12 +286,50 @@ DASHBOARDS = {
 }
 
 
+JOB_FILTER = 'run=~"$run", pod=~"$pod"'
+"""Matchers added to every selector of the job's series."""
+
+_JOB_SERIES = re.compile(r"\b(stppo_(?!retrieval_)[a-z0-9_]+)(\{([^}]*)\})?")
+
+
+def filter_job_series(expr: str) -> str:
+    """Add :data:`JOB_FILTER` to every ``stppo_*`` selector (not ``stppo_retrieval_*``).
+
+    >>> filter_job_series('sum by (le) (rate(stppo_staleness_bucket[1m]))')
+    'sum by (le) (rate(stppo_staleness_bucket{run=~"$run", pod=~"$pod"}[1m]))'
+    """
+
+    def add(m: re.Match) -> str:
+        inner = m.group(3)
+        return f"{m.group(1)}{{{inner + ', ' if inner else ''}{JOB_FILTER}}}"
+
+    return _JOB_SERIES.sub(add, expr)
+
+
+def _label_variable(name: str, query: str) -> dict:
+    return {
+        "name": name,
+        "label": name,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "query": {"query": query, "refId": f"{name}-values"},
+        "definition": query,
+        "refresh": 2,  # on time-range change: new runs and pods show up
+        "includeAll": True,
+        "allValue": ".*",
+        "multi": True,
+        "current": {},
+        "hide": 0,
+        "sort": 1,
+    }
+
+
 def panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict:
     """One Grafana panel (schema of Grafana 10/11 dashboards)."""
     targets = [
         {
             "datasource": DATASOURCE,
-            "expr": query.expr,
+            "expr": filter_job_series(query.expr),
             "legendFormat": query.legend,
             "refId": chr(ord("A") + i),
         }
@@ -337,7 +379,9 @@ def dashboard_json(uid: str, title: str, panels: list[Panel]) -> dict:
                     "query": "prometheus",
                     "current": {},
                     "hide": 0,
-                }
+                },
+                _label_variable("run", "label_values(stppo_learner_step, run)"),
+                _label_variable("pod", 'label_values(stppo_learner_step{run=~"$run"}, pod)'),
             ]
         },
         "annotations": {"list": []},

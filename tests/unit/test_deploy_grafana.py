@@ -23,8 +23,10 @@ GRAFANA = PROJECT_ROOT / "deploy" / "grafana"
 DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
 # Grafana's interval macros, replaced by a plausible value before parsing
 GRAFANA_MACROS = {"$__rate_interval": "1m", "$__interval": "30s", "$__range": "1h"}
+# the dashboards' own query variables (regex matchers), replaced the same way
+GRAFANA_VARIABLES = {"$run": ".*", "$pod": ".*"}
 # labels Prometheus adds at scrape time (target labels of deploy/prometheus configs)
-TARGET_LABELS = {"job", "instance", "component", "namespace", "pod"}
+TARGET_LABELS = {"job", "instance", "component", "namespace", "pod", "run"}
 
 SPEC_SECTION_4 = [
     "clip_ratio", "clip_ratio_turn", "approx_kl", "kl_ref", "entropy", "pg_loss",
@@ -74,7 +76,7 @@ def selectors(expr: str) -> list[tuple[str, set[str]]]:
     Raises:
         ValueError: the expression does not parse, or uses an unknown Grafana variable.
     """
-    for macro, value in GRAFANA_MACROS.items():
+    for macro, value in {**GRAFANA_MACROS, **GRAFANA_VARIABLES}.items():
         expr = expr.replace(macro, value)
     if "$" in expr:
         raise ValueError(f"unknown Grafana variable in {expr!r}")
@@ -177,8 +179,9 @@ def test_dashboard_structure():
             assert panel["datasource"]["uid"] == "${datasource}"
             ref_ids = [t["refId"] for t in panel["targets"]]
             assert len(ref_ids) == len(set(ref_ids))
-        (var,) = dash["templating"]["list"]
+        var = dash["templating"]["list"][0]
         assert var["type"] == "datasource" and var["query"] == "prometheus"
+        assert [v["name"] for v in dash["templating"]["list"]] == ["datasource", "run", "pod"]
 
 
 def test_grafana_configmap_lists_every_dashboard():
@@ -196,3 +199,22 @@ def test_metric_names_do_not_clash_between_job_and_retrieval_server():
     job = exported_metric_names(registry)
     server = exported_metric_names(RetrievalMetrics(CollectorRegistry()).registry)
     assert job.isdisjoint(server), job & server
+
+
+def test_job_series_are_filtered_by_run_and_pod_variables():
+    """Every stppo_* selector of the job (not the retrieval server's) is filtered by the
+    dashboard's `run` and `pod` variables, which list the values of those target labels."""
+    checked = 0
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        assert {"datasource", "run", "pod"} <= set(variables), path.name
+        assert variables["run"]["definition"] == "label_values(stppo_learner_step, run)"
+        assert variables["pod"]["allValue"] == variables["run"]["allValue"] == ".*"
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                for name, labels in selectors(target["expr"]):
+                    if name.startswith("stppo_") and not name.startswith("stppo_retrieval_"):
+                        assert {"run", "pod"} <= labels, f"{path.name}: {target['expr']}"
+                        checked += 1
+    assert checked > 30
