@@ -1,0 +1,71 @@
+"""The clipping-bias scale on the real DeepSpeed learner: one ``||C||`` and one ``s`` per
+optimizer step (independent of ``micro_batch_size``), and ``scale_target = update`` shrinks
+the AdamW step by exactly ``s`` where a loss multiplier barely moves it (spec section 6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from learner_factories import make_batch
+
+from learner.config import LearnerConfig, SPPOConfig, STPPOConfig
+from learner.trainer import Learner
+
+pytestmark = pytest.mark.integration
+
+
+def make_learner(path: Path, algorithm, **overrides) -> Learner:
+    base = dict(
+        dtype="fp32",
+        zero_stage=0,
+        train_batch_size=4,
+        mini_batch_size=4,
+        micro_batch_size=2,
+        actor_lr=1e-3,
+    )
+    return Learner(path, LearnerConfig(**{**base, **overrides}), algorithm, seed=0)
+
+
+def displacement(learner: Learner, before: dict[str, torch.Tensor]) -> torch.Tensor:
+    after = learner.export_weights().state_dict
+    return torch.cat([(after[k] - before[k]).flatten() for k in sorted(before)])
+
+
+@pytest.mark.parametrize("cls", [SPPOConfig, STPPOConfig])
+def test_one_clip_bias_norm_per_optimizer_step_whatever_the_micro_batch(tiny_llama_dir, cls):
+    algorithm = cls(off_policy="behavior", tau=1e-3)
+    runs = [
+        make_learner(tiny_llama_dir, algorithm, micro_batch_size=m).step(make_batch(5))
+        for m in (1, 2, 4)
+    ]
+    for other in runs[1:]:
+        assert other.clip_bias_norm == pytest.approx(runs[0].clip_bias_norm, rel=1e-5)
+        assert other.clip_bias_scale == pytest.approx(runs[0].clip_bias_scale, rel=1e-5)
+    assert runs[0].clip_bias_scale < 1.0
+
+
+@pytest.mark.parametrize(("target", "expect_half"), [("update", True), ("loss", False)])
+def test_update_target_moves_parameters_exactly_s_times_as_far(tiny_llama_dir, target, expect_half):
+    """From the same (fresh) AdamW state, s = 0.5 moves the parameters half as far as s = 1
+    with ``scale_target = update``; as a loss multiplier Adam normalises it away."""
+    unscaled = make_learner(tiny_llama_dir, STPPOConfig(off_policy="behavior", tau=1e6))
+    start = unscaled.export_weights().state_dict
+    first = unscaled.step(make_batch(6))
+    assert first.clip_bias_scale == 1.0 and first.clip_bias_norm > 0.0
+    full = displacement(unscaled, start)
+
+    tau = first.clip_bias_norm / 2.0  # triggered scale: s = tau / ||C|| = 0.5
+    scaled = make_learner(
+        tiny_llama_dir, STPPOConfig(off_policy="behavior", tau=tau, scale_target=target)
+    )
+    second = scaled.step(make_batch(6))
+    assert second.clip_bias_scale == pytest.approx(0.5, rel=1e-5)
+    ratio = float(displacement(scaled, start).norm() / full.norm())
+    if expect_half:
+        torch.testing.assert_close(
+            displacement(scaled, start), 0.5 * full, rtol=1e-4, atol=1e-7
+        )  # fp32 ulp of the weights
+    else:
+        assert ratio > 0.8  # AdamW's first step is ~lr * sign(g): the multiplier cancels
