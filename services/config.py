@@ -31,6 +31,7 @@ from learner.config import (
     StrictModel,
 )
 from retrieval_server.config import RetrievalServerConfig
+from services.retrieval_supervisor import RetrievalSupervisorConfig
 
 
 class ConfigError(ValueError):
@@ -86,6 +87,9 @@ class RetrievalSection(StrictModel):
 
     server: RetrievalServerConfig = RetrievalServerConfig()
     """Settings of the managed server."""
+
+    supervisor: RetrievalSupervisorConfig = RetrievalSupervisorConfig()
+    """Restarts of the managed server when its process exits (unused with ``url``)."""
 
 
 class BufferConfig(StrictModel):

@@ -96,6 +96,7 @@ class Driver:
         self._window_start_s = time.perf_counter()
         self._run_started_s = time.perf_counter()
         self._closers: list[Any] = []
+        self._retrieval_supervisor: Any = None
         self._last_checkpoint_step = -1
 
     # ------------------------------------------------------------------ lifecycle
@@ -141,15 +142,19 @@ class Driver:
             self.retrieval_url = self.cfg.retrieval.url.rstrip("/")
             _wait_external_retrieval(self.retrieval_url, timeout_s=60.0)
             return
-        from retrieval_server.testing import start_server, stop_server
+        from services.retrieval_supervisor import RetrievalSupervisor
 
         self.progress.say(f"starting retrieval server ({self.cfg.retrieval.server.method})")
-        server = start_server(
-            self.cfg.retrieval.server, self.run_dir / "retrieval.log", startup_timeout_s=600.0
+        supervisor = RetrievalSupervisor(
+            self.cfg.retrieval.server,
+            self.run_dir / "retrieval.log",
+            self.cfg.retrieval.supervisor,
+            on_restart=lambda: self.metrics.retrieval_server_restarts_total.inc(),
         )
-        self._closers.append(lambda: stop_server(server))
-        self.retrieval_url = server.url
-        self.progress.say(f"retrieval server ready at {server.url}")
+        self.retrieval_url = supervisor.start()
+        self._retrieval_supervisor = supervisor
+        self._closers.append(supervisor.stop)
+        self.progress.say(f"retrieval server ready at {self.retrieval_url}")
 
     def _start_ray(self) -> None:
         import ray
@@ -375,10 +380,15 @@ class Driver:
             if self._step_ref is None:
                 self._apply_pending_changes()
                 self._maybe_start_step()
-            self._admit_rollouts()
+            retrieval_up = self._retrieval_up()
+            if retrieval_up:  # no new rollout while the managed server restarts
+                self._admit_rollouts()
             waiting = [s.in_flight for s in self.slots if s.in_flight is not None]
             waiting += [self._step_ref] if self._step_ref is not None else []
             waiting += list(self._pending_acks)
+            if not waiting and not retrieval_up:
+                time.sleep(0.5)
+                continue
             if not waiting:
                 raise RuntimeError("deadlock: no rollout, learner step or sync in flight")
             ready, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
@@ -389,6 +399,13 @@ class Driver:
             slot.in_flight = None
         if self._step_ref is not None:
             self._on_step_done(ray.get(self._step_ref).to_dict())
+
+    def _retrieval_up(self) -> bool:
+        """False while the managed retrieval server restarts; raises once it cannot come back."""
+        if self._retrieval_supervisor is None:
+            return True
+        self._retrieval_supervisor.raise_if_failed()
+        return self._retrieval_supervisor.up
 
     def _admit_rollouts(self) -> None:
         import ray

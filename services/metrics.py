@@ -180,6 +180,11 @@ class TrainingMetrics:
             "Rollout actor restarts after a crash (restarts).",
             registry=r,
         )
+        self.retrieval_server_restarts_total = Counter(
+            p + "retrieval_server_restarts",
+            "Restarts of the managed retrieval server after its process exited (restarts).",
+            registry=r,
+        )
         self.nonfinite_steps_total = Counter(
             p + "nonfinite_steps",
             "Learner steps skipped because the loss or gradient was not finite (steps).",
