@@ -600,6 +600,12 @@ def test_every_pod_meets_the_restricted_pod_security_standard(overlay):
     assert not violations, "\n".join(violations)
 
 
+def test_namespace_enforces_the_restricted_standard():
+    labels = one(rendered("cpu-demo"), "Namespace")["metadata"]["labels"]
+    for mode in ("enforce", "warn", "audit"):
+        assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted"
+
+
 def test_restricted_check_catches_a_root_container():
     (where, _, spec) = pod_specs(rendered("cpu-demo"))[0]
     spec = copy.deepcopy(spec)
