@@ -101,13 +101,26 @@ def prepare(
 
     steps = list(only or [])
     data_steps = [s for s in steps if s != "index"]
-    if not steps or data_steps:
-        try:
+    try:
+        if not steps or data_steps:
             run_prepare(data_dir, only=data_steps or None, force=force)
-        except ValueError as e:
-            _fail(str(e))
-    if not steps or "index" in steps:
-        _build_default_index(data_dir, force)
+        if not steps or "index" in steps:
+            _build_default_index(data_dir, force)
+    except Exception as e:  # one line, never a traceback: every prepare error names its file
+        _fail(_prepare_error(e))
+
+
+def _prepare_error(error: Exception) -> str:
+    """``error``'s message; prefixed with its type unless it is a prepare error or ValueError
+    (whose messages are written to stand alone)."""
+    from services.prepare.packages import PackageError
+    from services.prepare.sources import SourceError
+
+    if isinstance(error, PackageError | SourceError | ValueError) or type(error).__name__.endswith(
+        "BuildError"
+    ):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 def _build_default_index(data_dir: Path, force: bool) -> None:

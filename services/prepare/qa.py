@@ -48,6 +48,7 @@ from services.prepare.corpus import (
     load_sources,
     slug,
 )
+from services.prepare.manifest import read_manifest
 
 BUILD_VERSION = 2
 """Bump when the generated records change; a built ``qa/`` of another version is rebuilt."""
@@ -1254,7 +1255,9 @@ def _corpus_sha256(data_dir: Path) -> str:
         raise QABuildError(
             f"{manifest} is missing: build the corpus first (stppo prepare --only corpus)"
         )
-    return json.loads(manifest.read_text())["passages_sha256"]
+    return read_manifest(
+        manifest, ("passages_sha256",), "rebuild it: stppo prepare --only corpus --force"
+    )["passages_sha256"]
 
 
 def _is_current(qa_dir: Path, corpus_sha256: str) -> bool:
@@ -1274,7 +1277,11 @@ def _verify_qa(qa_dir: Path, start: float) -> QAReport:
     report_path = qa_dir / "report.json"
     if not report_path.is_file():
         raise QABuildError(f"{report_path} is missing (delete {qa_dir} or use force)")
-    report = json.loads(report_path.read_text())
+    report = read_manifest(
+        report_path,
+        ("counts", "retrieval", "medical_mc_heuristics"),
+        f"delete {qa_dir} or use force",
+    )
     for name in SETS:
         for split in SPLITS:
             path = qa_dir / name / f"{split}.jsonl"
