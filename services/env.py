@@ -47,7 +47,8 @@ def configure_local_caches() -> dict[str, str]:
     """Point every cache/temp variable at ``CACHE_ROOT`` unless the user already set it.
 
     Also sets, unless already set: ``HF_HUB_OFFLINE=1`` (no hub is reachable; fail fast
-    instead of retrying), ``RAY_AUTH_MODE=disabled`` for the local cluster (see README),
+    instead of retrying), ``RAY_AUTH_MODE=disabled`` for the local cluster (see README; not
+    when a Ray token is in the environment, as on a KubeRay cluster with token auth),
     and quiet transformers logging (no per-actor weight-loading bars).
 
     Returns:
@@ -60,6 +61,14 @@ def configure_local_caches() -> dict[str, str]:
             path.mkdir(parents=True, exist_ok=True)
             os.environ[var] = changed[var] = str(path)
     for var, value in _DEFAULTS:
+        if var == "RAY_AUTH_MODE" and _ray_token_configured():
+            continue  # a token is there (KubeRay's authOptions): leave Ray's auth to Ray
         if var not in os.environ:
             os.environ[var] = changed[var] = value
     return changed
+
+
+def _ray_token_configured() -> bool:
+    """True when the environment hands Ray a token (``RAY_AUTH_TOKEN`` or
+    ``RAY_AUTH_TOKEN_PATH``), as KubeRay does in pods of a cluster with token auth."""
+    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"))
