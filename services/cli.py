@@ -288,7 +288,10 @@ def _ctl_client(url: str, token: str | None):
 CtlURL = Annotated[str, typer.Option(envvar="STPPO_CONTROL_URL", help="Control-plane base URL.")]
 CtlToken = Annotated[
     str | None,
-    typer.Option(envvar="STPPO_CONTROL_TOKEN", help="Bearer token printed at job start."),
+    typer.Option(
+        envvar="STPPO_CONTROL_TOKEN",
+        help="Bearer token (a generated one is in <run_dir>/control.json).",
+    ),
 ]
 
 

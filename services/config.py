@@ -134,7 +134,8 @@ class ControlConfig(StrictModel):
     """Bind port (0 = pick a free one)."""
 
     token: str | None = Field(None, min_length=16)
-    """Bearer token; None generates one per run and prints it at start."""
+    """Bearer token; None generates one per run, written to ``<run_dir>/control.json`` (mode
+    0600, never printed). Redacted from ``config.json`` and ``/status``."""
 
 
 class MetricsConfig(StrictModel):
@@ -286,14 +287,14 @@ class RunConfig(StrictModel):
         required = (self.buffer.max_staleness + 1) * self.learner.train_batch_size
         return max(self.buffer.capacity, required)
 
-
-
-# --------------------------------------------------------------------------- loading
-
     @property
     def run_dir(self) -> Path:
         """``<run.output_dir>/<run.name>``."""
         return self.run.output_dir / self.run.name
+
+
+# --------------------------------------------------------------------------- loading
+
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
@@ -376,16 +377,16 @@ def update_config(cfg: RunConfig, changes: dict[str, Any], strict: bool = False)
     Used by the control plane for live changes: the whole tree is re-validated, so a change
     is applied entirely or not at all.
 
-    Raises:
-        ConfigError: as :func:`load_config`, and for a section given as a non-object.
-    """
-    data = json.loads(cfg.model_dump_json())
     Args:
         cfg: the current config.
         changes: nested partial config, e.g. ``{"buffer": {"max_staleness": 2}}``.
         strict: pydantic strict mode over JSON (the control plane): no coercion, so ``"2"``,
             ``true`` or ``"1e-5"`` for a number, or ``2`` for a string, are errors.
 
+    Raises:
+        ConfigError: as :func:`load_config`, and for a section given as a non-object.
+    """
+    data = json.loads(cfg.model_dump_json())
 
     def merge(dst: dict[str, Any], src: dict[str, Any], path: str) -> None:
         for k, v in src.items():
@@ -406,12 +407,12 @@ def update_config(cfg: RunConfig, changes: dict[str, Any], strict: bool = False)
         data["algorithm"] = _fields_valid_for_variant(data["algorithm"])
     merge(data, changes, "")
     try:
+        if strict:
+            return RunConfig.model_validate_json(json.dumps(data), strict=True)
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, "change")) from None
 
-        if strict:
-            return RunConfig.model_validate_json(json.dumps(data), strict=True)
 
 def _fields_valid_for_variant(algo: dict[str, Any]) -> dict[str, Any]:
     variant = algo["variant"]

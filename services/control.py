@@ -272,7 +272,7 @@ def create_control_app(state: ControlState, token: str, metrics_app=None) -> Fas
         if creds is None or not tokens_match(creds.credentials, token):
             raise HTTPException(
                 status.HTTP_401_UNAUTHORIZED,
-                detail="missing or wrong bearer token (printed at job start)",
+                detail="missing or wrong bearer token (a generated one is in <run_dir>/control.json)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
 

@@ -3,13 +3,15 @@
 One driver process orchestrates N rollout actors, one learner actor and one buffer actor:
 
 1. Rollout actors generate trajectories with the weights they last loaded (stamped with
-   that ``policy_version``). A new rollout is admitted only when the buffer has room and its
-   output could still be within ``buffer.max_staleness`` when consumed
-   (:func:`learner.buffer.may_start_rollout`); so actors never run unboundedly ahead, and
+   that ``policy_version``). A new rollout is admitted only if all of its output will be
+   consumed within ``buffer.max_staleness``, counting the trajectories buffered and in
+   flight ahead of it (:func:`learner.admission.may_admit`, AReaL's bound per version); so
+   actors never run ahead, no rollout is generated to be thrown away, and
    ``max_staleness = 0`` is synchronous PPO through the same loop.
-2. Finished rollouts go into the buffer actor; when ``learner.train_batch_size`` fresh
-   trajectories are ready and the learner is idle, the driver takes them (stale ones are
-   dropped and counted at that moment) and starts a learner step.
+2. Finished rollouts go into the buffer actor; when ``learner.train_batch_size`` trajectories
+   are ready, none older is still in flight (:func:`learner.admission.may_take`) and the
+   learner is idle, the driver takes the oldest ones and starts a learner step. Stale ones
+   (only after a live lowering of the bound) are dropped and counted at that moment.
 3. After every ``sync.every_k_steps`` steps the learner's new weights go to every engine,
    in memory, queued behind their current generation batch.
 4. Live config changes from the control plane are applied between learner steps.
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from services.config import RunConfig
-from services.control import ControlState, changed_fields
+from services.control import ControlState, changed_fields, public_config
 from services.env import ray_temp_dir
 
 log = logging.getLogger("stppo.driver")
@@ -49,6 +51,7 @@ class RolloutSlot:
     in_flight: Any = None  # ObjectRef of the running rollout, or None
     submitted_version: int = -1  # engine_version when the running rollout was submitted
     started_s: float = 0.0
+    first_draw: int = -1  # sampler draw index of the running rollout's first question
 
 
 @dataclass
@@ -58,8 +61,10 @@ class DriverState:
     learner_step: int = 0
     policy_version: int = 0
     questions_drawn: int = 0
+    trajectories_admitted: int = 0
     trajectories_generated: int = 0
     trajectories_consumed: int = 0
+    trajectories_dropped_stale: int = 0
     actor_restarts: int = 0
     warm_started: bool = False
 
@@ -128,7 +133,7 @@ class Driver:
 
     def _prepare_run_dir(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(self.cfg.model_dump_json(indent=2))
+        (self.run_dir / "config.json").write_text(json.dumps(public_config(self.cfg), indent=2))
         handler = logging.FileHandler(self.run_dir / "driver.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger("stppo").addHandler(handler)
@@ -174,8 +179,7 @@ class Driver:
     def _start_observability(self) -> None:
         from prometheus_client import CollectorRegistry
 
-        from services.control import create_control_app, new_token, start_control_server
-        from services.metrics import TrainingMetrics, make_asgi_app, start_metrics_server
+        from services.metrics import TrainingMetrics, start_metrics_server
 
         self.registry = CollectorRegistry()
         self.metrics = TrainingMetrics(self.registry)
@@ -188,24 +192,46 @@ class Driver:
             self.metrics_url = f"http://{self.cfg.metrics.host}:{server.port}/metrics"
             self.progress.say(f"metrics: {self.metrics_url}")
         if self.cfg.control.enabled:
-            # a token from the environment is how the KubeRay Secret reaches the driver
-            self.control_token = (
-                self.cfg.control.token or os.environ.get("STPPO_CONTROL_TOKEN") or new_token()
-            )
-            app = create_control_app(self.control, self.control_token, make_asgi_app(self.registry))
-            server = start_control_server(app, self.cfg.control.host, self.cfg.control.port)
-            self._closers.append(server.close)
-            self.control_url = server.url
-            (self.run_dir / "control.json").write_text(
-                json.dumps({"url": server.url, "token": self.control_token})
-            )
-            self.progress.say(
-                f"control plane: {server.url}  token: {self.control_token}\n"
-                f"  e.g. STPPO_CONTROL_URL={server.url} STPPO_CONTROL_TOKEN={self.control_token} "
-                "stppo ctl set buffer.max_staleness=2"
-            )
+            self._start_control()
+
+    def _start_control(self) -> None:
+        """Serve the control plane. The token is never printed: one from ``control.token``
+        or ``STPPO_CONTROL_TOKEN`` (how the KubeRay Secret reaches the driver) is only named;
+        a generated one is written to ``control.json`` with mode 0600."""
+        from services.control import (
+            create_control_app,
+            new_token,
+            start_control_server,
+            write_private,
+        )
+        from services.metrics import make_asgi_app
+
+        env_token = os.environ.get("STPPO_CONTROL_TOKEN")
+        source = "control.token" if self.cfg.control.token else None
+        source = source or ("STPPO_CONTROL_TOKEN" if env_token else None)
+        self.control_token = self.cfg.control.token or env_token or new_token()
+        app = create_control_app(self.control, self.control_token, make_asgi_app(self.registry))
+        server = start_control_server(app, self.cfg.control.host, self.cfg.control.port)
+        self._closers.append(server.close)
+        self.control_url = server.url
+        path = self.run_dir / "control.json"
+        record = {"url": server.url, "token_source": source or "generated"}
+        if source is None:
+            record["token"] = self.control_token
+        write_private(path, json.dumps(record))
+        if source is not None:
+            self.progress.say(f"control plane: {server.url}  token: from {source} (not printed)")
+            return
+        self.progress.say(
+            f"control plane: {server.url}  token: in {path} (mode 0600, not printed)\n"
+            f"  e.g. STPPO_CONTROL_URL={server.url} STPPO_CONTROL_TOKEN=$(python3 -c "
+            f"'import json,sys; print(json.load(open(sys.argv[1]))[\"token\"])' {path}) "
+            "stppo ctl set buffer.max_staleness=2"
+        )
 
     def _create_actors(self) -> None:
+        import ray
+
         from services.ray_actors import create_buffer_actor, create_learner_actor
         from services.sampler import QuestionSampler
         from services.weight_sync import make_weight_sync
@@ -216,6 +242,7 @@ class Driver:
         )
         self.learner = create_learner_actor(self.cfg)
         self.buffer = create_buffer_actor(self.cfg)
+        ray.get(self.buffer.set_capacity.remote(self.cfg.effective_buffer_capacity))
         self._resize_rollout_actors(self.cfg.rollout.num_actors)
         self.progress.say(f"{len(self.slots)} rollout actor(s), 1 learner, 1 buffer on Ray")
 
@@ -408,30 +435,45 @@ class Driver:
         return self._retrieval_supervisor.up
 
     def _admit_rollouts(self) -> None:
+        """Start a rollout on every idle actor whose output :func:`learner.admission.may_admit`
+        says will be consumed within ``buffer.max_staleness`` (no wasted rollouts)."""
         import ray
 
-        from learner.buffer import may_start_rollout
+        from learner.admission import may_admit
 
-        free = ray.get(self.buffer.free_slots.remote())
-        per_call = self.cfg.rollout.prompts_per_batch * self.cfg.rollout.group_size
-        in_flight = sum(per_call for s in self.slots if s.in_flight is not None)
+        live = self.control.config
+        per_call = live.rollout.prompts_per_batch * live.rollout.group_size
+        # what is already over the bound at the next take will be dropped, not consumed
+        unconsumed = ray.get(self.buffer.ready_counts.remote(self._next_take_version()))
+        for v, c in self._in_flight_counts().items():
+            unconsumed[v] = unconsumed.get(v, 0) + c
         for slot in self.slots:
             if slot.in_flight is not None or slot.engine_version < 0:
                 continue
-            if in_flight + per_call > free:
-                return  # backpressure: the buffer could not take the output
-            if not may_start_rollout(
-                slot.engine_version,
-                self.state.policy_version,
-                self._step_ref is not None,
-                self.control.config.buffer.max_staleness,
-            ):
+            if not may_admit(
+                unconsumed, slot.engine_version, per_call, self._next_take_version(),
+                live.buffer.max_staleness, live.learner.train_batch_size,
+            ):  # fmt: skip
                 continue
-            records = self.sampler.sample(self.cfg.rollout.prompts_per_batch)
+            slot.first_draw = self.sampler.num_drawn
+            records = self.sampler.sample(live.rollout.prompts_per_batch)
             slot.in_flight = slot.handle.rollout.remote(records)
             slot.submitted_version = slot.engine_version
             slot.started_s = time.perf_counter()
-            in_flight += per_call
+            unconsumed[slot.engine_version] = unconsumed.get(slot.engine_version, 0) + per_call
+            self.state.trajectories_admitted += per_call
+
+    def _in_flight_counts(self) -> dict[int, int]:
+        """version -> trajectories being generated (running rollout calls)."""
+        per_call = self.cfg.rollout.prompts_per_batch * self.cfg.rollout.group_size
+        counts: dict[int, int] = {}
+        for s in self.slots:
+            if s.in_flight is not None:
+                counts[s.submitted_version] = counts.get(s.submitted_version, 0) + per_call
+        return counts
+
+    def _next_take_version(self) -> int:
+        return self.state.policy_version + int(self._step_ref is not None)
 
     def _dispatch(self, ref: Any) -> None:
         import ray
@@ -454,6 +496,7 @@ class Driver:
         if _lost_weights(trajectories, slot.submitted_version):
             # Its output is correctly stamped (and will be dropped as stale); re-sync it.
             self._on_actor_crash(slot, RuntimeError("engine lost its weights (restarted)"))
+        _stamp_ids(trajectories, slot.first_draw, self.cfg.rollout.group_size)
         self._on_rollout_done(trajectories)
 
     def _on_rollout_done(self, trajectories: list[Any]) -> None:
@@ -478,12 +521,16 @@ class Driver:
     def _maybe_start_step(self) -> None:
         import ray
 
+        from learner.admission import may_take
+
         n = self.cfg.learner.train_batch_size
-        if ray.get(self.buffer.num_ready.remote(self.state.policy_version)) < n:
-            return
+        ready = ray.get(self.buffer.ready_counts.remote(self.state.policy_version))
+        if not may_take(ready, self._in_flight_counts(), n):
+            return  # too few ready, or an older rollout is still running (consume oldest first)
         take = ray.get(self.buffer.take.remote(n, self.state.policy_version))
         self.metrics.dropped_stale_total.inc(take.dropped_stale)
-        # only this driver touches the buffer, so num_ready >= n means take returns n
+        self.state.trajectories_dropped_stale += take.dropped_stale
+        # only this driver touches the buffer, so n ready means take returns n
         if len(take.trajectories) != n:
             raise RuntimeError(
                 f"buffer returned {len(take.trajectories)} trajectories, expected {n}"
@@ -508,10 +555,24 @@ class Driver:
                 f"driver expected {self.state.policy_version}"
             )
         self.state.trajectories_consumed += len(take.trajectories)
+        self._append_jsonl(
+            "consumed.jsonl",
+            {
+                "step": self.state.learner_step,
+                "ids": [t.extra.get("trajectory_id") for t in take.trajectories],
+            },
+        )
         self.metrics.trajectories_consumed_total.inc(len(take.trajectories))
         self.metrics.nonfinite_steps_total.inc(int(step_metrics.get("skipped_steps", 0)))
         stats = ray.get(self.buffer.stats.remote())
         record = dict(step_metrics)
+        trained = step_metrics.get("variant", self.control.config.algorithm.variant)
+        if trained != self.control.config.algorithm.variant:
+            raise RuntimeError(
+                f"learner trained {trained} but the live config says "
+                f"{self.control.config.algorithm.variant}"
+            )
+        record["trained_variant"] = trained
         record.update(self._throughput())
         record.update(
             step=self.state.learner_step,
@@ -523,6 +584,7 @@ class Driver:
             staleness_max=max(take.staleness),
             dropped_stale=stats.dropped_stale_total,
             buffer_depth=stats.depth,
+            **self._waste(),
         )
         if self.state.learner_step % self.cfg.sync.every_k_steps == 0:
             record["weight_sync_s"] = self._sync_weights(blocking=False)
@@ -537,6 +599,17 @@ class Driver:
         every = self.cfg.checkpoint.every_k_steps
         if every and self.state.learner_step % every == 0:
             self._checkpoint()
+
+    def _waste(self) -> dict[str, float | int]:
+        """Run totals: trajectories generated, consumed, dropped as stale, and the waste
+        fraction ``dropped_stale / generated`` (0 at a constant bound, see learner.admission)."""
+        st = self.state
+        return {
+            "trajectories_generated": st.trajectories_generated,
+            "trajectories_consumed": st.trajectories_consumed,
+            "trajectories_dropped_stale": st.trajectories_dropped_stale,
+            "waste_fraction": st.trajectories_dropped_stale / max(st.trajectories_generated, 1),
+        }
 
     def _throughput(self) -> dict[str, float]:
         now = time.perf_counter()
@@ -599,6 +672,12 @@ class Driver:
         fields = changed_fields(old, new)
         if new.buffer.max_staleness != old.buffer.max_staleness:
             ray.get(self.buffer.set_max_staleness.remote(new.buffer.max_staleness))
+            # a lowered bound: what is already over it is dropped and counted now
+            purged = ray.get(self.buffer.purge_stale.remote(self.state.policy_version))
+            self.metrics.dropped_stale_total.inc(purged)
+            self.state.trajectories_dropped_stale += purged
+        if new.effective_buffer_capacity != old.effective_buffer_capacity:
+            ray.get(self.buffer.set_capacity.remote(new.effective_buffer_capacity))
         if new.buffer.stale_policy != old.buffer.stale_policy:
             ray.get(self.buffer.set_stale_policy.remote(new.buffer.stale_policy))
         if new.algorithm != old.algorithm:
@@ -654,7 +733,7 @@ class Driver:
         path = self.run_dir / "checkpoints" / f"step_{self.state.learner_step:06d}"
         ray.get(self.learner.save_checkpoint.remote(str(path)))
         (path / "driver_state.json").write_text(json.dumps(self.state.__dict__, indent=2))
-        (path / "config.json").write_text(self.control.config.model_dump_json(indent=2))
+        (path / "config.json").write_text(json.dumps(public_config(self.control.config), indent=2))
         (self.run_dir / "checkpoints" / "latest").write_text(path.name)
         self._prune_checkpoints()
         self._last_checkpoint_step = self.state.learner_step
@@ -684,6 +763,10 @@ class Driver:
             shutil.rmtree(old, ignore_errors=True)
 
     def _restore(self) -> None:
+        """Load the latest checkpoint: the learner's state, the driver's counters and sampler
+        position, and the live-changed fields of the config saved with it (variant and its
+        options, staleness bound, learning rates, actors, sync period) which override the
+        command line's, so the learner, the driver, ``ctl status`` and the metrics agree."""
         import ray
 
         root = self.run_dir / "checkpoints"
@@ -695,15 +778,70 @@ class Driver:
         saved = json.loads((path / "driver_state.json").read_text())
         self.state = DriverState(**saved)
         self.sampler.num_drawn = self.state.questions_drawn
+        config_path = path / "config.json"
+        if config_path.exists():
+            restored = restore_live_fields(self.cfg, json.loads(config_path.read_text()))
+            self._apply_restored_config(restored)
         self.progress.say(
-            f"resumed from {path}: step {self.state.learner_step}, version {self.state.policy_version}"
+            f"resumed from {path}: step {self.state.learner_step}, version "
+            f"{self.state.policy_version}, variant {self.cfg.algorithm.variant}, "
+            f"max_staleness {self.cfg.buffer.max_staleness}"
         )
+
+    def _apply_restored_config(self, new: RunConfig) -> None:
+        import ray
+
+        self.cfg = new
+        self.control.reset(new)
+        ray.get(self.buffer.set_max_staleness.remote(new.buffer.max_staleness))
+        ray.get(self.buffer.set_stale_policy.remote(new.buffer.stale_policy))
+        ray.get(self.buffer.set_capacity.remote(new.effective_buffer_capacity))
+        ray.get(self.learner.set_algorithm.remote(new.algorithm))
+        ray.get(self.learner.set_lr.remote(new.learner.actor_lr, new.learner.critic_lr))
+        if new.rollout.num_actors != len(self.slots):
+            self._resize_rollout_actors(new.rollout.num_actors)
+        self._publish_live_config()
+        (self.run_dir / "config.json").write_text(json.dumps(public_config(new), indent=2))
 
     # ------------------------------------------------------------------ logs
 
     def _append_jsonl(self, name: str, record: dict[str, Any]) -> None:
         with (self.run_dir / name).open("a") as f:
             f.write(json.dumps(record, default=_json_default) + "\n")
+
+
+def restore_live_fields(cfg: RunConfig, saved: dict[str, Any]) -> RunConfig:
+    """``cfg`` with every :data:`services.control.LIVE_FIELDS` value taken from ``saved`` (a
+    checkpoint's ``config.json``): a resumed run continues with the last applied live change.
+
+    Raises:
+        services.config.ConfigError: the saved values do not validate with ``cfg``.
+    """
+    from services.config import update_config
+    from services.control import LIVE_FIELDS
+
+    changes: dict[str, Any] = {}
+    for dotted in LIVE_FIELDS:
+        *parents, leaf = dotted.split(".")
+        node, target = saved, changes
+        for p in parents:
+            node = node.get(p, {})
+            target = target.setdefault(p, {})
+        if leaf in node:
+            target[leaf] = node[leaf]
+    return update_config(cfg, changes)
+
+
+def _stamp_ids(trajectories: list[Any], first_draw: int, group_size: int) -> None:
+    """Set ``extra["trajectory_id"] = "d<draw>-g<k>"``: the sampler draw of its question and
+    its index in the group. Unique across a run and its resumes (the sampler never re-issues
+    a draw), unlike ``group_id``, whose batch counter restarts with the actor.
+
+    ``RolloutWorker.rollout`` returns ``group_size`` trajectories per record, in record order.
+    """
+    for k, t in enumerate(trajectories):
+        draw, g = first_draw + k // group_size, k % group_size
+        t.extra["trajectory_id"] = f"d{draw}-g{g}"
 
 
 def _lost_weights(trajectories: list[Any], expected_version: int) -> bool:

@@ -221,3 +221,100 @@ def test_max_train_s_stops_the_loop_and_the_run_still_checkpoints(
         ]
         == 0
     )
+
+
+def _scan_for(secret: str, folder: Path) -> list[Path]:
+    hits = []
+    for path in folder.rglob("*"):
+        if path.is_file() and secret.encode() in path.read_bytes():
+            hits.append(path)
+    return hits
+
+
+def test_resume_continues_the_last_live_change(
+    tmp_path: Path, tiny_llama_dir: Path, capfd, monkeypatch
+):
+    """Issue 21: change the variant and the staleness bound live, checkpoint, resume with
+    ``Driver(resume=True)`` from a command line that says otherwise: the learner, the
+    driver, ``ctl status`` and the metrics all follow the last applied change, and no
+    trajectory is consumed twice across the restart. Issue 16: the token is never printed,
+    control.json is 0600, and a token from the environment is not written anywhere."""
+    import stat
+
+    from services.driver import Driver
+
+    extra = {"run.num_steps": 2, "run.eval_questions": 0, "checkpoint.every_k_steps": 0}
+    cfg = tiny_run_config(tmp_path, tiny_llama_dir, **extra)
+    run_dir = cfg.run_dir
+    run = RunInThread(cfg)
+    control = run.wait_for(
+        lambda: (run_dir / "control.json").exists() and json.loads((run_dir / "control.json").read_text()),
+        300, "control plane",
+    )  # fmt: skip
+    assert stat.S_IMODE((run_dir / "control.json").stat().st_mode) == 0o600
+    token = control["token"]
+    client = httpx.Client(
+        base_url=control["url"], headers={"Authorization": f"Bearer {token}"}, timeout=30
+    )
+    change = {"algorithm": {"variant": "ppo"}, "buffer": {"max_staleness": 2}}
+    assert client.patch("/config", json=change).status_code == 202
+    run.thread.join(900)
+    assert not run.thread.is_alive(), "first run did not finish"
+    if run.error is not None:
+        raise run.error
+    first = read_jsonl(run_dir / "steps.jsonl")
+    assert first[-1]["variant"] == "ppo", "the change was not applied before the last step"
+    assert token not in capfd.readouterr().out  # generated token: only in control.json
+    assert _scan_for(token, run_dir) == [run_dir / "control.json"]
+
+    # resume from a command line that still says st_ppo / max_staleness 1, with 2 more steps
+    (run_dir / "control.json").unlink()
+    env_token = "e" * 40
+    monkeypatch.setenv("STPPO_CONTROL_TOKEN", env_token)
+    cfg2 = tiny_run_config(tmp_path, tiny_llama_dir, **{**extra, "run.num_steps": 4})
+    assert (cfg2.algorithm.variant, cfg2.buffer.max_staleness) == ("st_ppo", 1)
+    resumed = Driver(cfg2, resume=True)
+    seen: dict = {}
+
+    def probe():  # ctl status and metrics while the resumed run trains
+        control2 = json.loads((run_dir / "control.json").read_text())
+        headers = {"Authorization": f"Bearer {env_token}"}
+        status = httpx.get(f"{control2['url']}/status", headers=headers, timeout=30).json()
+        seen["status"] = status
+        seen["metrics"] = httpx.get(f"{control2['url']}/metrics/", timeout=30).text
+        seen["control"] = control2
+
+    run2 = RunInThread.__new__(RunInThread)
+    run2.driver, run2.error, run2.state = resumed, None, None
+    run2.thread = threading.Thread(target=run2._target, daemon=True)
+    run2.thread.start()
+    run2.wait_for(lambda: len(read_jsonl(run_dir / "steps.jsonl")) > len(first), 900, "step 3")
+    probe()
+    run2.thread.join(900)
+    assert not run2.thread.is_alive(), "resumed run did not finish"
+    if run2.error is not None:
+        raise run2.error
+
+    steps = read_jsonl(run_dir / "steps.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    after = steps[len(first) :]
+    assert all(s["variant"] == s["trained_variant"] == "ppo" for s in after)
+    assert seen["status"]["config"]["algorithm"]["variant"] == "ppo"
+    assert seen["status"]["config"]["buffer"]["max_staleness"] == 2
+    assert 'stppo_algorithm_variant_info{variant="ppo"} 1.0' in seen["metrics"]
+    assert "stppo_max_staleness 2.0" in seen["metrics"]
+    assert resumed.cfg.buffer.max_staleness == 2
+    # every consumed trajectory id is unique across both runs, and each step consumed B
+    consumed = [i for rec in read_jsonl(run_dir / "consumed.jsonl") for i in rec["ids"]]
+    assert len(consumed) == 4 * cfg.learner.train_batch_size and None not in consumed
+    assert len(set(consumed)) == len(consumed)
+    # a token from the environment is neither printed nor written
+    assert (
+        "token" not in seen["control"] and seen["control"]["token_source"] == "STPPO_CONTROL_TOKEN"
+    )
+    assert env_token not in capfd.readouterr().out
+    assert _scan_for(env_token, run_dir) == []
+    # generated, consumed, dropped and waste are reported; nothing dropped at a fixed bound
+    assert steps[-1]["trajectories_consumed"] == 4 * cfg.learner.train_batch_size
+    assert steps[-1]["trajectories_generated"] >= steps[-1]["trajectories_consumed"]
+    assert all(s["waste_fraction"] == 0.0 for s in first)
