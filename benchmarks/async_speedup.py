@@ -7,6 +7,12 @@ steady state (from the end of step 1 to the end of the last step) and the ideal 
 bound ``(gen + train) / max(gen, train)`` from the synchronous run's own timings, where
 ``gen`` = wall time to generate one training batch and ``train`` = one learner step.
 
+Also reports, per run, trajectories generated, consumed and dropped as stale and the waste
+fraction (dropped / generated; from the last ``steps.jsonl`` record). Staleness-aware
+admission (``learner.admission``) makes it 0 at a constant bound. A run that wastes a
+fraction ``w`` must generate ``gen / (1 - w)`` per trained batch, so its bound is
+``(gen + train) / max(gen / (1 - w), train)``; with ``w = 0`` it is the plain bound above.
+
 Usage::
 
     python benchmarks/async_speedup.py [dotted.key=value ...]
@@ -55,6 +61,22 @@ def ideal_bound(steps: list[dict], cfg) -> tuple[float, float, float]:
     return gen, train, (gen + train) / max(gen, train)
 
 
+def waste(steps: list[dict]) -> dict[str, float]:
+    """Run totals from the last step record: generated, consumed, dropped, waste fraction."""
+    last = steps[-1]
+    keys = ("trajectories_generated", "trajectories_consumed", "trajectories_dropped_stale")
+    out = {k: float(last.get(k, 0)) for k in keys}
+    out["waste_fraction"] = out["trajectories_dropped_stale"] / max(
+        out["trajectories_generated"], 1.0
+    )
+    return out
+
+
+def bound_with_waste(gen: float, train: float, waste_fraction: float) -> float:
+    """Ideal async speed-up when a fraction of the generated trajectories is thrown away."""
+    return (gen + train) / max(gen / max(1.0 - waste_fraction, 1e-9), train)
+
+
 def main(argv: list[str]) -> None:
     configure_local_caches()
     sync_steps, cfg = run_once(0, argv)
@@ -72,6 +94,19 @@ def main(argv: list[str]) -> None:
     print(f"\nspeed-up async/sync: {async_rate / sync_rate:.2f}x  (target >= 1.3x)")
     print(
         f"ideal bound (gen + train) / max(gen, train) = ({gen:.1f} + {train:.1f}) / {max(gen, train):.1f} = {bound:.2f}x"
+    )
+    print("\n| mode | generated | consumed | dropped stale | waste fraction |")
+    print("|---|---:|---:|---:|---:|")
+    for mode, steps in (("synchronous", sync_steps), ("asynchronous", async_steps)):
+        w = waste(steps)
+        print(
+            f"| {mode} | {w['trajectories_generated']:.0f} | {w['trajectories_consumed']:.0f} | "
+            f"{w['trajectories_dropped_stale']:.0f} | {w['waste_fraction']:.3f} |"
+        )
+    w_async = waste(async_steps)["waste_fraction"]
+    print(
+        f"ideal bound at the async run's waste {w_async:.3f}: "
+        f"{bound_with_waste(gen, train, w_async):.2f}x (no waste: {bound:.2f}x)"
     )
 
 

@@ -22,7 +22,7 @@ from services.metrics import TrainingMetrics, start_metrics_server
 pytestmark = pytest.mark.integration
 
 LOCAL_CONFIG = PROJECT_ROOT / "deploy" / "prometheus" / "prometheus-local.yml"
-WAIT_S = 60.0
+WAIT_S = 180.0  # generous: a loaded 2-core machine; the test is not about speed
 
 
 def _prometheus_binary() -> str:
@@ -43,6 +43,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_prometheus(binary: str, config_path: Path, tmp_path: Path, attempts: int = 5):
+    """Start Prometheus on a free loopback port; returns ``(proc, port, log)``.
+
+    Prometheus cannot report a port-0 bind back, so the port is picked, released and handed
+    over; if another process takes it in between (Prometheus exits with "address already in
+    use") another port is tried, instead of the test failing on a race.
+    """
+    for attempt in range(attempts):
+        port = _free_port()
+        log_path = tmp_path / f"prometheus-{attempt}.log"
+        log = log_path.open("w")
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 5.0
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if proc.poll() is None:
+            return proc, port, log
+        log.close()
+        if "address already in use" not in log_path.read_text():
+            raise AssertionError(f"prometheus exited: {log_path.read_text()[-2000:]}")
+    raise AssertionError(f"no free port for prometheus after {attempts} attempts")
+
+
 def _scrape_config(target: str, scrape_interval_s: int) -> dict:
     """The shipped local config, driver job only, pointed at ``target``."""
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
@@ -58,7 +91,7 @@ def _query_until(api: str, query: str, predicate, deadline: float) -> list[dict]
     last: object = None
     while time.monotonic() < deadline:
         try:
-            resp = httpx.get(f"{api}/api/v1/query", params={"query": query}, timeout=2.0)
+            resp = httpx.get(f"{api}/api/v1/query", params={"query": query}, timeout=30.0)
             if resp.status_code != 200:
                 # While Prometheus opens its TSDB it answers 503 "Service Unavailable" in plain
                 # text on every endpoint (CI once parsed that as JSON): not ready yet, ask again
@@ -91,19 +124,7 @@ def test_prometheus_scrapes_clip_ratio(tmp_path: Path, metrics_endpoint):
 
     config_path = tmp_path / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(_scrape_config(f"127.0.0.1:{server.port}", 1)))
-    port = _free_port()
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config_path}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    proc, port, log = _start_prometheus(binary, config_path, tmp_path)
     api = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + WAIT_S

@@ -20,7 +20,6 @@ from actors.config import RetrievalClientConfig, RolloutConfig
 from actors.engines.scripted import ScriptedEngine
 from actors.retrieval_client import RetrievalClient, RetrievalFailed
 from actors.rollout import run_rollout
-from retrieval_server.testing import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -57,20 +56,25 @@ async def retrieve(request: Request):
         return {"result": []}
     return {"result": [[DOC] for _ in body["queries"]]}
 
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+# bind port 0 here and hand the bound port to the parent: no pick-release-reuse race
+import socket
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+print(sock.getsockname()[1], flush=True)
+uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 """
 
 
 @pytest.fixture(scope="module")
 def faulty_url() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", FAULTY_APP, str(port)])
-    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-c", FAULTY_APP], stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
+        port = int(proc.stdout.readline())  # the port the server itself bound
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
         while True:
             try:
-                httpx.get(url + "/attempts", timeout=1.0)
+                httpx.get(url + "/attempts", timeout=10.0)
                 break
             except httpx.TransportError:
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -83,14 +87,16 @@ def faulty_url() -> Iterator[str]:
 
 
 def set_mode(url: str, mode: str, fail_first: int = 0) -> None:
-    httpx.post(f"{url}/mode/{mode}/{fail_first}").raise_for_status()
+    httpx.post(f"{url}/mode/{mode}/{fail_first}", timeout=30).raise_for_status()
 
 
 def attempts(url: str) -> int:
-    return httpx.get(url + "/attempts").json()["attempts"]
+    return httpx.get(url + "/attempts", timeout=30).json()["attempts"]
 
 
-FAST = RetrievalClientConfig(max_retries=2, backoff_initial_s=0.01, timeout_s=0.5)
+# Few, quick retries, but a generous per-attempt timeout: these tests are not about timeouts
+# and a loaded 2-core machine can take over 0.5 s to answer (the old value flaked).
+FAST = RetrievalClientConfig(max_retries=2, backoff_initial_s=0.01, timeout_s=30.0)
 
 
 def test_real_server_returns_passages_in_query_order(retrieval_server_url):
@@ -151,9 +157,13 @@ def test_result_count_mismatch_is_a_failure_not_an_empty_result(faulty_url):
 
 
 def test_unreachable_server_raises_connect():
-    client = RetrievalClient(f"http://127.0.0.1:{free_port()}", FAST)
-    with pytest.raises(RetrievalFailed) as info:
-        client.retrieve(["q"])
+    import socket
+
+    with socket.socket() as held:  # bound, never listening: connections are refused, and
+        held.bind(("127.0.0.1", 0))  # no other process can take the port meanwhile
+        client = RetrievalClient(f"http://127.0.0.1:{held.getsockname()[1]}", FAST)
+        with pytest.raises(RetrievalFailed) as info:
+            client.retrieve(["q"])
     assert info.value.reason == "connect"
 
 
