@@ -11,7 +11,12 @@ Measures, over real HTTP against ``python -m retrieval_server`` (uvicorn subproc
 3. recall@3 per QA set for bm25, dense and hybrid (a normalised gold answer string appears in
    one of the top-3 passages; medical_mc uses the text of the correct option and queries with
    the vignette only, without the option lines);
-4. a bounded soak: 60 s at concurrency 64, batch 1, counting errors and the server's RSS growth.
+4. a bounded soak: 60 s at concurrency 64, batch 1, counting errors and the server's RSS growth;
+5. a hostile soak (``--hostile-soak-only`` runs just this one): 60 s at concurrency 64 where
+   every 5th request is bad -- malformed JSON, a Content-Length over the limit, a chunked body
+   streamed past the limit with no Content-Length, or a request head left half-sent -- among
+   real single queries; reports q/s and p99 of the real queries, errors on them (must be 0),
+   the answers the bad ones got, and the server's RSS drift.
 
 Targets (issue 4): HTTP throughput at batch 32 >= 0.8x in-process bm25s; p99 < 100 ms for a
 single query at concurrency 16; soak with zero errors and RSS growth < 5%.
@@ -29,11 +34,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import re
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,7 +56,7 @@ import numpy as np  # noqa: E402
 
 from retrieval_server.config import RetrievalServerConfig  # noqa: E402
 from retrieval_server.index import load_retriever, rss_gib  # noqa: E402
-from retrieval_server.testing import start_server, stop_server  # noqa: E402
+from retrieval_server.testing import RunningServer, start_server, stop_server  # noqa: E402
 
 QA_SETS = ("single_hop", "multi_hop", "medical_mc")
 _OPTION_LINE = re.compile(r"^[A-D]\. ")
@@ -86,6 +93,7 @@ class Report:
     recall_at_3: dict[str, dict[str, float]] = field(default_factory=dict)
     recall_questions: dict[str, int] = field(default_factory=dict)
     soak: dict = field(default_factory=dict)
+    hostile_soak: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -179,6 +187,134 @@ async def closed_loop(
 
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     return latencies, counters["queries"], counters["errors"]
+
+
+BAD_KINDS = ("malformed", "oversized", "streamed", "half_sent")
+"""Bad requests of the hostile soak, sent in turn as every 5th request of each client."""
+
+
+async def _send_bad(host: str, port: int, kind: str, limit_bytes: int) -> str:
+    """One bad request on a fresh connection; returns what it got (``"413"``, ``"closed"``...)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    head = f"POST /retrieve HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    try:
+        if kind == "malformed":
+            body = b'{"queries": ["lima", }'
+            writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        elif kind == "oversized":
+            writer.write(f"{head}Content-Length: {limit_bytes * 4}\r\n\r\n".encode() + b"{")
+        elif kind == "half_sent":
+            writer.write(head.encode())  # no blank line, ever: the server's head deadline ends it
+        else:  # streamed: chunked, no Content-Length, up to 4x the limit
+            writer.write(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+            piece = b"a" * 65536
+            answer = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+            sent = 0
+            try:
+                while not answer.done() and sent < 4 * limit_bytes:
+                    writer.write(b"10000\r\n" + piece + b"\r\n")
+                    sent += len(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0)
+            except OSError:
+                pass  # the server closed while we were still sending: look for its answer
+            try:
+                response_head = await asyncio.wait_for(answer, 30)
+            except (OSError, asyncio.IncompleteReadError):
+                return "reset_after_reject" if sent < 4 * limit_bytes else "reset"
+            return response_head[9:12].decode()
+        await writer.drain()
+        response_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        return response_head[9:12].decode()
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+        return "closed"
+    except TimeoutError:
+        return "no_answer_30s"
+    finally:
+        writer.close()
+
+
+async def hostile_loop(
+    url: str, queries: list[str], concurrency: int, duration_s: float, limit_bytes: int
+) -> dict:
+    """Closed loop of ``concurrency`` clients; every 5th request of a client is bad (the
+    half-sent ones are left open in the background while the client goes on).
+
+    Returns latencies of the real queries (s), their count and errors, and a count of what
+    each kind of bad request got back.
+    """
+    host, port = url.removeprefix("http://").split(":")
+    bodies = [json.dumps({"queries": [q], "topk": 3}).encode() for q in queries]
+    latencies: list[float] = []
+    counters = {"queries": 0, "errors": 0, "next": 0}
+    outcomes: dict[str, Counter] = {kind: Counter() for kind in BAD_KINDS}
+    deadline = time.perf_counter() + duration_s
+
+    background: list[asyncio.Future] = []
+
+    async def record(kind: str) -> None:
+        outcomes[kind][await _send_bad(host, int(port), kind, limit_bytes)] += 1
+
+    async def client_loop(client: int) -> None:
+        connection = RawHTTPConnection(host, int(port))
+        for n in itertools.count():
+            if time.perf_counter() >= deadline:
+                break
+            if n % 5 == 4:
+                kind = BAD_KINDS[(n // 5 + client) % len(BAD_KINDS)]
+                if kind == "half_sent":  # left hanging in the background, as an attacker would
+                    background.append(asyncio.ensure_future(record(kind)))
+                else:
+                    await record(kind)
+                continue
+            i = counters["next"] % len(bodies)
+            counters["next"] += 1
+            start = time.perf_counter()
+            try:
+                status, _ = await connection.post("/retrieve", bodies[i])
+                ok = status == 200
+            except (OSError, asyncio.IncompleteReadError, ConnectionError):
+                await connection.close()
+                ok = False
+            latencies.append(time.perf_counter() - start)
+            counters["queries" if ok else "errors"] += 1
+        await connection.close()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client_loop(c) for c in range(concurrency)))
+    load_s = time.perf_counter() - start
+    await asyncio.gather(*background)
+    return {
+        "load_s": load_s,
+        "latencies": latencies,
+        "queries": counters["queries"],
+        "errors": counters["errors"],
+        "bad": {k: dict(v) for k, v in outcomes.items()},
+    }
+
+
+def hostile_soak(server: RunningServer, queries: list[str], duration_s: float) -> dict:
+    """Run :func:`hostile_loop` at concurrency 64 and measure the server's RSS around it."""
+    rss_start = process_rss_gib(server.process.pid)
+    out = asyncio.run(
+        hostile_loop(server.url, queries, 64, duration_s, server.config.max_body_bytes)
+    )
+    elapsed = out["load_s"]  # the half-sent ones still open after it are not load time
+    rss_end = process_rss_gib(server.process.pid)
+    lat_ms = np.array(out["latencies"]) * 1000
+    return {
+        "duration_s": round(elapsed, 2),
+        "concurrency": 64,
+        "valid_requests": len(out["latencies"]),
+        "valid_errors": out["errors"],
+        "queries_per_s": out["queries"] / elapsed,
+        "p50_ms": float(np.percentile(lat_ms, 50)),
+        "p99_ms": float(np.percentile(lat_ms, 99)),
+        "bad_requests": out["bad"],
+        "rss_start_gib": rss_start,
+        "rss_end_gib": rss_end,
+        "rss_drift_pct": 100 * (rss_end - rss_start) / rss_start,
+    }
 
 
 def make_batches(queries: list[str], batch_size: int) -> list[list[str]]:
@@ -356,8 +492,26 @@ def markdown(report: Report) -> str:
             f"{s['num_errors']} errors, {s['queries_per_s']:.0f} queries/s, p99 {s['p99_ms']:.1f} ms, "
             f"server RSS {s['rss_start_gib']:.3f} -> {s['rss_end_gib']:.3f} GiB ({s['rss_growth_pct']:+.2f}%).",
         ]
+    h = report.hostile_soak
+    if h:
+        lines += ["", hostile_line(h)]
     lines += ["", *report.notes] if report.notes else []
     return "\n".join(lines)
+
+
+def hostile_line(h: dict) -> str:
+    """One markdown paragraph for the hostile soak."""
+    bad = "; ".join(
+        f"{kind} " + ", ".join(f"{k} x{v}" for k, v in sorted(got.items()))
+        for kind, got in h["bad_requests"].items()
+    )
+    return (
+        f"Hostile soak: {h['duration_s']:.0f} s at concurrency 64, every 5th request bad: "
+        f"{h['valid_requests']} real queries, {h['valid_errors']} errors on them, "
+        f"{h['queries_per_s']:.0f} queries/s, p50 {h['p50_ms']:.1f} ms, p99 {h['p99_ms']:.1f} ms; "
+        f"bad requests answered: {bad}; server RSS {h['rss_start_gib']:.3f} -> "
+        f"{h['rss_end_gib']:.3f} GiB ({h['rss_drift_pct']:+.2f}%)."
+    )
 
 
 # ------------------------------------------------------------------------------ main
@@ -372,6 +526,11 @@ def main() -> None:
     parser.add_argument("--recall-questions", type=int, default=500, help="Per QA set.")
     parser.add_argument("--rank-bm25-queries", type=int, default=100)
     parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument(
+        "--hostile-soak-only",
+        action="store_true",
+        help="Run only the hostile soak (bad-input mix, --soak-s seconds) and print it.",
+    )
     parser.add_argument(
         "--json-out", type=Path, default=ROOT / "artifacts/benchmarks/retrieval.json"
     )
@@ -408,6 +567,11 @@ def main() -> None:
             float(re.search(r"^stppo_retrieval_index_passages (\S+)", metrics, re.M).group(1))
         )
         measure_cell(server.url, load_queries, 4, 1, 2.0)  # warm up (page in the mmap'd index)
+        if args.hostile_soak_only:
+            report.hostile_soak = hostile_soak(server, load_queries, args.soak_s)
+            print(json.dumps(report.hostile_soak), flush=True)
+            print(hostile_line(report.hostile_soak))
+            return
         for batch_size in (1, 32):
             for concurrency in (1, 16, 64):
                 cell = measure_cell(server.url, load_queries, concurrency, batch_size, args.cell_s)
@@ -424,6 +588,8 @@ def main() -> None:
             "rss_growth_pct": 100 * (rss_end - rss_start) / rss_start,
         }
         print(report.soak, flush=True)
+        report.hostile_soak = hostile_soak(server, load_queries, args.soak_s)
+        print(report.hostile_soak, flush=True)
     finally:
         stop_server(server)
 
