@@ -719,8 +719,7 @@ class Driver:
             engine_versions=[s.engine_version for s in self.slots],
             buffer={"depth": stats.depth, "capacity": stats.capacity,
                     "dropped_stale_total": stats.dropped_stale_total},
-            trajectories_generated=self.state.trajectories_generated,
-            trajectories_consumed=self.state.trajectories_consumed,
+            **self._waste(),
             actor_restarts=self.state.actor_restarts,
         )  # fmt: skip
 
