@@ -269,3 +269,20 @@ def test_write_private_is_owner_only(tmp_path):
     path.chmod(0o644)
     write_private(path, '{"token": "x"}')
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == '{"token": "x"}'
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"learner": {"actor_lr": NaN}}',
+        b'{"buffer": {"max_staleness": 1e400}}',
+        b'{"buffer": {"max_staleness": ' + b"9" * 5000 + b"}}",
+        b'{"buffer": {"stale_policy": "\xff\xfe"}}',
+        b"",
+    ],
+)
+def test_odd_json_is_422(served, raw):
+    state, client, _ = served
+    resp = client.patch("/config", content=raw, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 422, resp.text
+    assert state.take_pending() is None
