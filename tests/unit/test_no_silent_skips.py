@@ -38,21 +38,20 @@ def test_categories_and_permission():
 @pytest.mark.parametrize(("allow", "rc"), [("", 1), ("prometheus", 0), ("vllm", 1)])
 def test_a_skip_fails_the_run_unless_allowed(tmp_path: Path, allow: str, rc: int):
     """A real pytest run of a test that skips for a missing Prometheus binary."""
-    folder = ROOT / "tests" / "unit" / f"_tmp_skip_probe_{os.getpid()}_{allow or 'none'}"
+    import shutil
+
+    folder = tmp_path / "probe"
     folder.mkdir()
-    try:
-        (folder / "test_probe.py").write_text(
-            "import pytest\n\ndef test_p():\n    pytest.skip('prometheus binary missing')\n"
-        )
-        env = {**os.environ, "STPPO_ALLOW_SKIP": allow}
-        out = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-    finally:
-        for f in folder.iterdir():
-            f.unlink()
-        folder.rmdir()
+    shutil.copy(ROOT / "tests" / "conftest.py", folder / "conftest.py")  # the real policy
+    (folder / "test_probe.py").write_text(
+        "import pytest\n\ndef test_p():\n    pytest.skip('prometheus binary missing')\n"
+    )
+    env = {**os.environ, "STPPO_ALLOW_SKIP": allow}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull,
+         "--rootdir", str(folder), str(folder)],
+        cwd=folder, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert out.returncode == rc, out.stdout + out.stderr
     if rc:
         assert "skipped without permission" in out.stdout
