@@ -76,10 +76,14 @@ class _AlgorithmBase(StrictModel):
     behavior_weight_level: Literal["token", "turn"] = "token"
     """Decoupled PPO: per-token weights, or the turn's geometric mean per token."""
 
-    token_log_ratio_bound: float | None = Field(None, gt=0.0, le=LOG_RATIO_CLAMP)
-    """RECONSTRUCTED (spec section 6, GMPO). Bound (nats) on each token's log-ratio in the
-    direction its advantage pushes it, applied before the turn mean: a token beyond it
-    carries no gradient. ``None`` = off (the section 2 objective bit for bit)."""
+    token_log_ratio_bound: float | None = Field(0.4, gt=0.0, le=LOG_RATIO_CLAMP)
+    """RECONSTRUCTED (spec section 6, GMPO's log-space clip 0.4). Bound (nats) on each
+    token's log-ratio in the direction its advantage pushes it, applied before the turn
+    mean: a token beyond it carries no gradient. ``None`` = off (section 2 bit for bit).
+    Measured (``python -m benchmarks.stabilisers``, 30 AdamW steps on one batch, lr 0.05):
+    turn ratios without it left 24% of tokens more than 1 nat from the behaviour policy
+    (token PPO: 0.6%); with 0.4, 1.7% (1.0: 4.5%, 0.2: 1.1%). Token-ratio variants ignore
+    it: the PPO clip bounds each of their tokens already."""
 
     clip_ratio_c: float | None = Field(3.0, gt=1.0, le=1000.0)
     """Dual clip for A < 0 (Ye et al. 2020; verl's ``clip_ratio_c``, default 3): the token

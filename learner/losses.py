@@ -18,11 +18,11 @@ holding t (turn level: Turn-PPO, ST-PPO, SO-GRPO).
 Stabilisers of spec section 6 (each off by default in these functions, so the objectives
 above hold bit for bit; the run config chooses the defaults):
 
-- token bound ``delta``: each token's log-ratio is bounded in the direction its advantage
-  pushes it before the turn mean (GMPO): ``logr_t <- min(logr_t, delta)`` where the
-  direction advantage is > 0, ``max(logr_t, -delta)`` where it is < 0 (the direction is A_t
-  for token ratios, the turn's mean advantage for turn ratios). A bounded token carries no
-  gradient, so one token cannot drift far inside an unclipped turn.
+- token bound ``delta`` (turn ratios only): each token's log-ratio is bounded in the
+  direction the turn's mean advantage pushes it before the turn mean (GMPO):
+  ``logr_t <- min(logr_t, delta)`` where that advantage is > 0, ``max(logr_t, -delta)``
+  where it is < 0. A bounded token carries no gradient, so one token cannot drift far
+  inside an unclipped turn. Token ratios ignore it: the PPO clip already bounds them.
 - dual clip ``c`` (Ye et al. 2020, verl ``clip_ratio_c``): for A_t < 0 the per-token loss is
   capped at ``-c A_t``, so a ratio above ``c`` carries no gradient; those tokens join Clip.
 - behaviour weights ``b_t`` (decoupled PPO, AReaL): the ratio is taken against a proximal
@@ -597,13 +597,12 @@ def _surrogate_parts(
         advantages.to(dtype), loss_mask, segment_ids, turn_advantage=turn_advantage
     )
     direction = None
-    if token_log_ratio_bound is not None:
-        # the sign that moves the token: its own A (token ratios) or the turn's mean A
-        direction = (
-            adv
-            if ratio_level == "token"
-            else effective_advantages(adv, loss_mask, segment_ids, turn_advantage="turn_mean")
-        )
+    if ratio_level == "token":
+        # a token ratio is its own turn: the PPO clip (log 1.2 < any useful delta) bounds it
+        token_log_ratio_bound = None
+    elif token_log_ratio_bound is not None:
+        # the sign that moves the turn's tokens: the turn's mean advantage
+        direction = effective_advantages(adv, loss_mask, segment_ids, turn_advantage="turn_mean")
     ratios = importance_log_ratios(
         logprobs,
         old_logprobs,
@@ -800,7 +799,8 @@ def compute_policy_loss(
             step's micro-batches, or the parameter-space norm for ``bias_norm: param``;
             ``None`` computes this batch's ``logprob`` norm in closed form.
         agg_denominator: see :func:`aggregation_weights` (micro-batch accumulation).
-        token_log_ratio_bound: delta (nats) of the token bound, or ``None``.
+        token_log_ratio_bound: delta (nats) of the token bound inside turns, or ``None``;
+            ignored with ``ratio_level="token"``.
         clip_ratio_c: dual-clip bound (> 1 + clip_eps_high), or ``None``.
         behavior_weights: float [B, T] ``b_t`` (decoupled PPO, see
             :func:`behavior_importance_weights`), or ``None`` (all 1).

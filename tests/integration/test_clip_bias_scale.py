@@ -35,7 +35,7 @@ def displacement(learner: Learner, before: dict[str, torch.Tensor]) -> torch.Ten
 
 @pytest.mark.parametrize("cls", [SPPOConfig, STPPOConfig])
 def test_one_clip_bias_norm_per_optimizer_step_whatever_the_micro_batch(tiny_llama_dir, cls):
-    algorithm = cls(off_policy="behavior", tau=1e-3)
+    algorithm = cls(off_policy="behavior", token_log_ratio_bound=None, tau=1e-3)
     runs = [
         make_learner(tiny_llama_dir, algorithm, micro_batch_size=m).step(make_batch(5))
         for m in (1, 2, 4)
@@ -50,7 +50,9 @@ def test_one_clip_bias_norm_per_optimizer_step_whatever_the_micro_batch(tiny_lla
 def test_update_target_moves_parameters_exactly_s_times_as_far(tiny_llama_dir, target, expect_half):
     """From the same (fresh) AdamW state, s = 0.5 moves the parameters half as far as s = 1
     with ``scale_target = update``; as a loss multiplier Adam normalises it away."""
-    unscaled = make_learner(tiny_llama_dir, STPPOConfig(off_policy="behavior", tau=1e6))
+    unscaled = make_learner(
+        tiny_llama_dir, STPPOConfig(off_policy="behavior", token_log_ratio_bound=None, tau=1e6)
+    )
     start = unscaled.export_weights().state_dict
     first = unscaled.step(make_batch(6))
     assert first.clip_bias_scale == 1.0 and first.clip_bias_norm > 0.0
@@ -58,7 +60,10 @@ def test_update_target_moves_parameters_exactly_s_times_as_far(tiny_llama_dir, t
 
     tau = first.clip_bias_norm / 2.0  # triggered scale: s = tau / ||C|| = 0.5
     scaled = make_learner(
-        tiny_llama_dir, STPPOConfig(off_policy="behavior", tau=tau, scale_target=target)
+        tiny_llama_dir,
+        STPPOConfig(
+            off_policy="behavior", token_log_ratio_bound=None, tau=tau, scale_target=target
+        ),
     )
     second = scaled.step(make_batch(6))
     assert second.clip_bias_scale == pytest.approx(0.5, rel=1e-5)

@@ -117,9 +117,16 @@ def reference_loss(logp, old, behavior, adv, batch: TrainingBatch, cfg) -> torch
     turn = cfg.variant in TURN_RATIO_VARIANTS
     logr = torch.zeros_like(logp)
     weight_b = torch.ones_like(logp)
+    delta = cfg.token_log_ratio_bound if turn else None
     for i in range(batch.batch_size):
         for tokens in turns_of(batch, i).values():
             raw = [logp[i, t] - old[i, t] for t in tokens]
+            if delta is not None:  # bound each token in the direction of the turn's mean A
+                mean_adv = float(adv[i, tokens].mean())
+                if mean_adv > 0:
+                    raw = [torch.clamp(x, max=delta) for x in raw]
+                elif mean_adv < 0:
+                    raw = [torch.clamp(x, min=-delta) for x in raw]
             for k, t in enumerate(tokens):
                 logr[i, t] = torch.stack(raw).mean() if turn else raw[k]
             if cfg.off_policy == "decoupled":
@@ -147,8 +154,16 @@ def reference_loss(logp, old, behavior, adv, batch: TrainingBatch, cfg) -> torch
     grad = torch.zeros_like(contrib)
     for i in range(batch.batch_size):
         for tokens in turns_of(batch, i).values():
+            mean_adv = float(adv[i, tokens].mean())
             for t in tokens:
-                grad[i, t] = contrib[i, tokens].sum() / len(tokens) if turn else contrib[i, t]
+                if not turn:
+                    grad[i, t] = contrib[i, t]
+                    continue
+                raw = float(logp[i, t] - old[i, t])
+                bounded = delta is not None and (
+                    (mean_adv > 0 and raw > delta) or (mean_adv < 0 and raw < -delta)
+                )
+                grad[i, t] = 0.0 if bounded else contrib[i, tokens].sum() / len(tokens)
     norm = float(grad.norm())
     s = 1.0 / max(1.0, norm / cfg.tau)
     assert s < 1.0  # the case is built so that the scale acts
@@ -174,7 +189,9 @@ def test_learner_gradient_equals_reference(variant, overrides, tiny_llama_dir: P
     trajs = trajectories()
     batch = collate_trajectories(trajs, learner.pad_token_id)
     with torch.no_grad():
-        values = learner._values(batch) * batch.loss_mask if cfg.variant in CRITIC_VARIANTS else None
+        values = (
+            learner._values(batch) * batch.loss_mask if cfg.variant in CRITIC_VARIANTS else None
+        )
 
     captured: dict[str, torch.Tensor] = {}
     original = learner._optimizer_step

@@ -129,7 +129,9 @@ def test_every_variant_runs_one_step_and_switches_live(learner: Learner):
             assert 0.0 < metrics.clip_bias_scale <= 1.0
         else:
             assert metrics.clip_bias_scale == 1.0
-    learner.set_algorithm(STPPOConfig(off_policy="behavior", bias_norm="param", tau=1e-6))
+    learner.set_algorithm(
+        STPPOConfig(off_policy="behavior", token_log_ratio_bound=None, bias_norm="param", tau=1e-6)
+    )
     metrics = learner.step(make_batch(4))
     # tau far below ||C||: the triggered scale tau / ||C|| is < 1 (one per optimizer step)
     assert metrics.clip_bias_norm > 0.0 and metrics.clip_bias_scale < 1.0
