@@ -582,6 +582,8 @@ class Driver:
             elapsed_s=round(time.perf_counter() - self._run_started_s, 3),
             staleness_mean=sum(take.staleness) / len(take.staleness),
             staleness_max=max(take.staleness),
+            malformed_rate=sum(bool(t.malformed_reason) for t in take.trajectories)
+            / len(take.trajectories),
             dropped_stale=stats.dropped_stale_total,
             buffer_depth=stats.depth,
             **self._waste(),

@@ -18,7 +18,10 @@ success rate (``success_rate`` in ``steps.jsonl``), smoothed by a trailing movin
 of ``window`` [3] steps, a run has collapsed when each of its last ``last_k`` [3] steps is
 more than ``drop`` [0.2] (absolute success) below the best smoothed value reached before
 those steps. A run with fewer than ``last_k + 1`` steps cannot be judged (``None``, shown
-as ``n/a``). The same rule is applied to ``reward_mean``; either one triggering counts.
+as ``n/a``). The same rule is applied to ``reward_mean``; either one triggering counts. A
+format collapse counts too: the smoothed share of malformed answers among the consumed
+trajectories (``malformed_rate``) at or above ``malformed`` [0.5] on each of the last
+``last_k`` steps.
 The paper's collapse is a sharp, lasting fall of success after a good phase; this rule asks
 for exactly that and ignores a single bad batch.
 """
@@ -80,6 +83,10 @@ class CollapseRule(StrictModel):
 
     metrics: list[str] = Field(default_factory=lambda: ["success_rate", "reward_mean"])
     """``steps.jsonl`` series the rule is applied to; any one triggering is a collapse."""
+
+    malformed: float | None = Field(0.5, gt=0.0, le=1.0)
+    """Format collapse: smoothed ``malformed_rate`` at or above this on each of the last
+    ``last_k`` steps; ``None`` disables the clause."""
 
 
 class ExperimentSpec(StrictModel):
@@ -364,10 +371,24 @@ def detect_collapse(values: list[float], rule: CollapseRule) -> CollapseCheck:
     return CollapseCheck(all(v < best - rule.drop for v in last), best, max(last))
 
 
+def format_collapsed(malformed_rate: list[float], rule: CollapseRule) -> bool | None:
+    """True when the smoothed malformed-answer share is at least ``rule.malformed`` on each
+    of the last ``rule.last_k`` steps (None: too short, or no ``malformed_rate`` logged).
+
+    Example (window 1, last_k 2, malformed 0.5): ``[0.1, 0.6, 0.8]`` -> collapsed.
+    """
+    smoothed = [v for v in moving_average(malformed_rate, rule.window) if not math.isnan(v)]
+    if rule.malformed is None or len(smoothed) < rule.last_k:
+        return None
+    return all(v >= rule.malformed for v in smoothed[-rule.last_k :])
+
+
 def run_collapsed(steps: list[dict[str, Any]], rule: CollapseRule) -> bool | None:
     """:func:`detect_collapse` on each of ``rule.metrics``: True if any collapsed, None if
     none could be judged, else False."""
     checks = [detect_collapse(_series(steps, m), rule).collapsed for m in rule.metrics]
+    if rule.malformed is not None:
+        checks.append(format_collapsed(_series(steps, "malformed_rate"), rule))
     if any(c is True for c in checks):
         return True
     if all(c is None for c in checks):

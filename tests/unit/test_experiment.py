@@ -134,6 +134,7 @@ def test_summary_files(tmp_path: Path):
     assert payload["experiment"] == "x"
     assert payload["collapse_rule"] == {
         "drop": 0.2, "last_k": 2, "window": 1, "metrics": ["success_rate", "reward_mean"],
+        "malformed": 0.5,
     }  # fmt: skip
     row = payload["runs"][0]
     assert row["val_success_final"] is None  # no "end" eval: NaN -> null
@@ -249,3 +250,17 @@ def test_summarize_experiment_of_a_partial_grid(tmp_path: Path):
     payload = json.loads(result.summary_json.read_text())
     assert payload["runs_planned"] == ["variant-ppo_seed-0", "variant-st_ppo_seed-0"]
     assert result.figure == out / "g" / "curves.png" and result.figure.stat().st_size > 10_000
+
+
+def test_format_collapse_counts_even_when_success_never_rose():
+    """The ST-PPO staleness-4 run: success flat at 0.08, malformed answers up to 83%."""
+    from services.experiment import CollapseRule, run_collapsed
+
+    steps = [
+        {"success_rate": 0.08, "reward_mean": 0.08, "malformed_rate": m}
+        for m in (0.17, 0.1, 0.3, 0.6, 0.8, 0.83, 0.83)
+    ]
+    assert run_collapsed(steps, CollapseRule()) is True
+    assert run_collapsed(steps, CollapseRule(malformed=None)) is False
+    healthy = [dict(s, malformed_rate=0.1) for s in steps]
+    assert run_collapsed(healthy, CollapseRule()) is False
