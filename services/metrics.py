@@ -41,16 +41,26 @@ LEARNER_STEP_METRICS: dict[str, str] = {
     "clip_ratio_turn": "Fraction of turns whose turn-level ratio was clipped (ratio 0..1).",
     "approx_kl": "k1 estimate of KL(behaviour || current policy): mean of logp_old - logp_theta "
     "over masked tokens (nats per token).",
-    "kl_ref": "k3 estimate of KL(current policy || reference policy) over masked tokens "
+    "kl_ref": "KL(current policy || reference policy) over masked tokens with the configured "
+    "estimator (algorithm.kl_estimator; default low_var_kl = k3 clamped to [-10, 10]) "
     "(nats per token).",
+    "token_log_ratio_abs_max": "Largest |log pi_theta - log pi_old| of a policy token in the "
+    "last learner step (nats).",
+    "clip_ratio_dual": "Fraction of policy tokens capped by the dual clip (ratio 0..1).",
+    "token_bound_ratio": "Fraction of policy tokens whose log-ratio the token bound inside "
+    "turns replaced (ratio 0..1).",
+    "behavior_weight_mean": "Decoupled PPO: mean behaviour weight pi_prox / pi_behaviour "
+    "before truncation (dimensionless; NaN with off_policy = behavior).",
+    "behavior_weight_capped": "Decoupled PPO: fraction of policy tokens whose behaviour "
+    "weight exceeded the cap (ratio 0..1).",
     "entropy": "Mean token entropy of the current policy over masked tokens (nats per token).",
     "pg_loss": "Policy-gradient loss of the last learner step (dimensionless).",
     "value_loss": "Critic value loss of the last learner step (squared return units); "
     "NaN for critic-free variants.",
     "grad_norm": "Global L2 norm of the gradient before clipping (dimensionless).",
     "clip_bias_norm": "Norm ||C|| of the clipping-bias term (dimensionless).",
-    "clip_bias_scale": "Scale s applied to the loss by the clipping-bias correction "
-    "(dimensionless).",
+    "clip_bias_scale": "Scale s of the clipping-bias correction, applied to the optimizer "
+    "step (scale_target = update) or the loss (dimensionless; mean over optimizer steps).",
     "reward_mean": "Mean trajectory reward of the consumed batch (reward units, 0..1 for EM).",
     "success_rate": "Fraction of consumed trajectories answered correctly (ratio 0..1).",
     "num_turns_mean": "Mean number of assistant turns per consumed trajectory (turns).",

@@ -57,7 +57,15 @@ def test_every_spec_metric_is_exported_with_prefix_and_units_in_help():
     for name in SPEC_SECTION_4 - {"staleness"}:
         assert f"stppo_{name}" in names, name
     assert {"stppo_staleness_bucket", "stppo_staleness_sum", "stppo_staleness_count"} <= names
-    assert set(LEARNER_STEP_METRICS) == SPEC_SECTION_4 - {"staleness"}
+    # section 4, plus what the section 6 stabilisers report
+    section_6 = {
+        "token_log_ratio_abs_max",
+        "clip_ratio_dual",
+        "token_bound_ratio",
+        "behavior_weight_mean",
+        "behavior_weight_capped",
+    }
+    assert set(LEARNER_STEP_METRICS) == (SPEC_SECTION_4 - {"staleness"}) | section_6
     registry = CollectorRegistry()
     TrainingMetrics(registry)
     for fam in registry.collect():
