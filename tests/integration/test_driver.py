@@ -106,7 +106,7 @@ def test_async_run_with_live_variant_change_and_actor_crash(tmp_path: Path, tiny
         300, "control plane",
     )  # fmt: skip
     client = httpx.Client(
-        base_url=control["url"], headers={"Authorization": f"Bearer {control['token']}"}, timeout=10
+        base_url=control["url"], headers={"Authorization": f"Bearer {control['token']}"}, timeout=30
     )
     run.wait_for(lambda: len(read_jsonl(run_dir / "steps.jsonl")) >= 1, 600, "step 1")
 

@@ -33,7 +33,7 @@ def served():
     app = create_control_app(state, TOKEN, metrics_app=make_asgi_app(registry))
     server = start_control_server(app, "127.0.0.1", 0)
     client = httpx.Client(
-        base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5
+        base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
     )
     yield state, client, server
     client.close()
