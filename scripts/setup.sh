@@ -29,5 +29,6 @@ else
 fi
 
 if [[ "${1:-}" != "--no-assets" ]]; then
+  scripts/fetch_debs.sh
   "$VENV/bin/stppo" prepare
 fi
