@@ -62,6 +62,14 @@ OBJECTIVES = {
 }
 
 
+def _linear_loss(logr, behaviour, adv, mask, turn_ids, options) -> losses.PolicyLossOutput:
+    """The policy loss at log-ratios ``logr`` against the behaviour policy (eps 0.2)."""
+    return losses.compute_policy_loss(
+        behaviour + logr, behaviour, adv, mask, turn_ids,
+        clip_eps_low=0.2, clip_eps_high=0.2, **options,
+    )  # fmt: skip
+
+
 def drift(updates: int, seed: int, lr: float) -> list[dict]:
     """Shared parameters with heavy-tailed token sensitivities: ``logp_t = behaviour_t +
     phi_t . theta`` (theta in R^32 starts at 0, so every ratio starts at 1). A few tokens
@@ -80,33 +88,16 @@ def drift(updates: int, seed: int, lr: float) -> list[dict]:
         adv = (adv - adv.mean()) / adv.std()
         theta = torch.zeros(dim, requires_grad=True)
         opt = torch.optim.AdamW([theta], lr=lr, weight_decay=0.0)
+        inputs = (behaviour, adv, mask, turn_ids, options)
         for _ in range(updates):
-            out = losses.compute_policy_loss(
-                behaviour + phi @ theta,
-                behaviour,
-                adv,
-                mask,
-                turn_ids,
-                clip_eps_low=0.2,
-                clip_eps_high=0.2,
-                **options,
-            )
+            out = _linear_loss(phi @ theta, *inputs)
             opt.zero_grad()
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_([theta], 1.0)
             opt.step()
         with torch.no_grad():
             logr = phi @ theta
-            final = losses.compute_policy_loss(
-                behaviour + logr,
-                behaviour,
-                adv,
-                mask,
-                turn_ids,
-                clip_eps_low=0.2,
-                clip_eps_high=0.2,
-                **options,
-            )
+            final = _linear_loss(logr, *inputs)
         rows.append(
             {
                 "objective": name,
