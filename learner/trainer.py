@@ -641,9 +641,9 @@ class Learner:
             )
             for name, value in metrics.items():
                 acc.micro[name].append(value)
-        if norm is None:
-            norm = torch.tensor(math.sqrt(max(sums.pop("clip_bias_norm_sq"), 0.0)))
-        sums.pop("clip_bias_norm_sq", None)
+        summed_norm_sq = sums.pop("clip_bias_norm_sq")
+        if norm is None:  # no pre-pass: the micro-batches' squared norms add up
+            norm = torch.tensor(math.sqrt(max(summed_norm_sq, 0.0)))
         scale = self._bias_scale(norm, any_clipped, algorithm) if bias else 1.0
         sums["clip_bias_norm"] = _scalar(norm)
         sums["clip_bias_scale"] = scale
