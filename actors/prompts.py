@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from actors.retrieval_client import Passage
+from actors.scoring import is_multiple_choice
 
 SYSTEM_PROMPT = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> "
@@ -76,7 +77,8 @@ _SYSTEM_PROMPTS = {
 MULTIPLE_CHOICE_SUFFIX = (
     "\nAnswer with the letter of the correct option, e.g. <answer> B </answer>."
 )
-"""Appended to ``medical_mc`` questions (their text already lists options A-D)."""
+"""Appended to multiple-choice questions (:func:`actors.scoring.is_multiple_choice`; their
+text lists the options: built into ``medical_mc``, appended by :mod:`services.qa_data`)."""
 
 INVALID_SEARCH_MESSAGE = (
     "\nMy previous action is invalid. If I want to search, I should put the query between "
@@ -94,7 +96,8 @@ _SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 
 
 def user_message(record: Mapping) -> str:
-    """The user turn for a QA record: ``Question: ...`` (+ the letter instruction for MC).
+    """The user turn for a QA record: ``Question: ...`` (+ the letter instruction for
+    multiple choice).
 
     Raises:
         ValueError: the record has no non-empty ``question``.
@@ -103,7 +106,7 @@ def user_message(record: Mapping) -> str:
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f"QA record {record.get('id')!r} has no question text")
     text = f"Question: {question.strip()}"
-    if record.get("data_source") == "medical_mc":
+    if is_multiple_choice(record):
         text += MULTIPLE_CHOICE_SUFFIX
     return text
 

@@ -1,11 +1,11 @@
 """Answer scoring for rewards and evaluation (Search-R1 conventions).
 
-- Free-text answers (``single_hop``, ``multi_hop``): exact match after SQuAD/Search-R1
+- Free-text answers (any ``data_source``: ``single_hop``, ``nq``, ``hotpotqa`` ...): exact match after SQuAD/Search-R1
   normalisation (NFKD-fold diacritics, lower case, drop punctuation and the articles
   a/an/the, collapse whitespace) against ANY of the golden aliases. Source: the SQuAD v1.1
   evaluation script ``normalize_answer``, as reused by Search-R1 ``qa_em.py``; NFKD folding
   added so "Bogotá" == "Bogota".
-- Multiple choice (``medical_mc``): the option letter is extracted from the answer text
+- Multiple choice (records with ``metadata["options"]``, and ``medical_mc``): the option letter is extracted from the answer text
   ("B", "(B)", "B. text", "The answer is B", "b)", or the text of one option) and compared
   with the golden letter.
 
@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 import unicodedata
@@ -31,17 +32,25 @@ OPTION_LETTERS = ("A", "B", "C", "D")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 # Unicode punctuation too (e.g. "–", "’", "«"), not just string.punctuation.
 _PUNCT = set(string.punctuation)
-_L = "A-Da-d"
-# The whole answer is one letter, optionally bracketed/punctuated: "B", "(b)", "[C].", "D)".
-_ONLY_LETTER = re.compile(rf"^\W*([{_L}])\W*$")
-# Leading letter with a delimiter, then the option text: "B. Marfan", "(c) Marfan", "d: x".
-_LEADING_LETTER = re.compile(rf"^\s*(?:\(([{_L}])\)|\[([{_L}])\]|([{_L}])\s*[.):])(?:\s|$)")
-# "The answer is B", "answer: (b)", "Option C", "correct choice is d."
-# Upper-case letter: a word boundary suffices. Lower-case letter: must be bracketed or
-# followed by punctuation/end, so "the answer is a disease" does not read as option A.
 _PHRASE = r"(?:answer|option|choice)\s*(?:is|:|=|-)?\s*(?:option\s+|choice\s+)?"
-_PHRASE_UPPER = re.compile(rf"(?i:{_PHRASE})\(?([A-D])\b")
-_PHRASE_ANY = re.compile(rf"(?i:{_PHRASE})(?:\(([{_L}])\)|([{_L}])(?=\s*[.)!,;:]|\s*$))")
+
+
+@functools.lru_cache(maxsize=32)
+def _letter_patterns(last: str) -> tuple[re.Pattern[str], ...]:
+    """The four letter patterns for options ``A``..``last`` (upper case), in precedence order."""
+    upper = f"A-{last}"
+    letters = f"{upper}{upper.lower()}"
+    return (
+        # The whole answer is one letter, optionally bracketed/punctuated: "B", "(b)", "[C].".
+        re.compile(rf"^\W*([{letters}])\W*$"),
+        # Leading letter with a delimiter, then the option text: "B. Marfan", "(c) x", "d: x".
+        re.compile(rf"^\s*(?:\(([{letters}])\)|\[([{letters}])\]|([{letters}])\s*[.):])(?:\s|$)"),
+        # "The answer is B", "answer: (b)", "Option C", "correct choice is d."
+        # Upper-case letter: a word boundary suffices. Lower-case letter: must be bracketed or
+        # followed by punctuation/end, so "the answer is a disease" does not read as option A.
+        re.compile(rf"(?i:{_PHRASE})\(?([{upper}])\b"),
+        re.compile(rf"(?i:{_PHRASE})(?:\(([{letters}])\)|([{letters}])(?=\s*[.)!,;:]|\s*$))"),
+    )
 
 
 def normalize_answer(s: str) -> str:
@@ -137,7 +146,7 @@ def _letter_containing_option_text(text: str, options: Mapping[str, str]) -> str
 
 
 def extract_option_letter(text: str | None, options: Mapping[str, str] | None = None) -> str | None:
-    """Extract the chosen option letter (A-D) from an answer.
+    """Extract the chosen option letter (A-D, or up to the last letter of ``options``).
 
     Accepted forms, in order of precedence: the bare letter ("B", "(b)", "C."); a leading
     letter with a delimiter ("B. Marfan syndrome", "(c) ...", "d) ..."); a phrase ("The
@@ -150,8 +159,8 @@ def extract_option_letter(text: str | None, options: Mapping[str, str] | None = 
         options: letter -> option text, to recognise an answer given as the option text.
 
     Returns:
-        An upper-case letter in ``OPTION_LETTERS``, or ``None`` when no unambiguous choice
-        is found.
+        An upper-case letter (``OPTION_LETTERS``, or one of the keys of ``options``), or
+        ``None`` when no unambiguous choice is found.
 
     Example::
 
@@ -162,15 +171,21 @@ def extract_option_letter(text: str | None, options: Mapping[str, str] | None = 
     """
     if text is None:
         return None
-    letter = _first_group(_ONLY_LETTER.match(text))
+    last = "D"
+    if options:
+        keys = [k.strip().upper() for k in options]
+        if all(len(k) == 1 and k in string.ascii_uppercase for k in keys):
+            last = max(keys)
+    only_letter, leading_letter, phrase_upper, phrase_any = _letter_patterns(last)
+    letter = _first_group(only_letter.match(text))
     if letter is None and options:
         # Before the letter patterns: an option text such as "C. difficile infection"
         # starts like "C." but is option text, not the letter C.
         letter = _letter_equal_option_text(text, options)
     if letter is None:
-        letter = _first_group(_LEADING_LETTER.match(text))
+        letter = _first_group(leading_letter.match(text))
     if letter is None:
-        letter = _first_group(_PHRASE_UPPER.search(text)) or _first_group(_PHRASE_ANY.search(text))
+        letter = _first_group(phrase_upper.search(text)) or _first_group(phrase_any.search(text))
     if letter is None and options:
         letter = _letter_containing_option_text(text, options)
     return letter
@@ -196,31 +211,39 @@ def option_letter_match(
     return letter is not None and letter in {g.strip().upper() for g in golden_answers}
 
 
+def is_multiple_choice(record: Mapping) -> bool:
+    """True when ``record`` is scored by option letter: it has ``metadata["options"]``, or
+    its ``data_source`` is a built-in multiple-choice set (``medical_mc``)."""
+    return (
+        bool((record.get("metadata") or {}).get("options"))
+        or record.get("data_source") in DATA_SOURCES_MULTIPLE_CHOICE
+    )
+
+
 def score_answer(prediction: str | None, record: Mapping) -> bool:
-    """Score an answer against a QA record, choosing the rule by ``record["data_source"]``.
+    """Score an answer against a QA record, for any ``data_source``.
+
+    Multiple choice (:func:`is_multiple_choice`: options present, or ``medical_mc``): the
+    option letter of the answer must be a golden letter (:func:`option_letter_match`).
+    Anything else (``nq``, ``hotpotqa``, ``single_hop``, your own set): Search-R1's
+    normalised exact match against any golden answer (:func:`exact_match`).
 
     Args:
         prediction: the model's final answer (content of ``<answer>``), or ``None``.
         record: a QA record ``{"golden_answers": [...], "data_source": ..., "metadata":
-            {...}}``; for ``medical_mc`` ``metadata["options"]`` is used when present.
+            {...}}``; ``metadata["options"]`` (letter -> text) when multiple choice.
 
     Returns:
-        True when correct: exact match (single_hop, multi_hop) or option letter match
-        (medical_mc).
+        True when correct.
 
     Raises:
-        ValueError: unknown ``data_source`` or missing ``golden_answers`` (names the key).
+        ValueError: missing or empty ``golden_answers`` (names the key).
+        TypeError: ``golden_answers`` is a bare string.
     """
-    source = record.get("data_source")
     if "golden_answers" not in record:
         raise ValueError(f"QA record {record.get('id')!r} has no 'golden_answers'")
     golden = record["golden_answers"]
-    if source in DATA_SOURCES_EXACT_MATCH:
-        return exact_match(prediction, golden)
-    if source in DATA_SOURCES_MULTIPLE_CHOICE:
+    if is_multiple_choice(record):
         options = (record.get("metadata") or {}).get("options")
         return option_letter_match(prediction, golden, options)
-    raise ValueError(
-        f"QA record {record.get('id')!r} has unknown data_source {source!r}; expected one of "
-        f"{DATA_SOURCES_EXACT_MATCH + DATA_SOURCES_MULTIPLE_CHOICE}"
-    )
+    return exact_match(prediction, golden)

@@ -24,7 +24,7 @@ import numpy as np
 
 from actors.prompts import information_ids, prompt_ids
 from actors.retrieval_client import Passage
-from actors.scoring import normalize_answer
+from actors.scoring import is_multiple_choice, normalize_answer
 from actors.trajectory import Trajectory
 from learner.config import SFTConfig
 
@@ -69,7 +69,12 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def _search_queries(record: Mapping) -> list[str]:
-    queries = (record.get("metadata") or {}).get("search_queries")
+    """``metadata.search_queries``; a record without them (your own QA files) searches its
+    question text once."""
+    meta = record.get("metadata") or {}
+    if "search_queries" not in meta and isinstance(record.get("question"), str):
+        return [record["question"].strip().split("\n")[0]]
+    queries = meta.get("search_queries")
     if (
         not isinstance(queries, list)
         or not queries
@@ -93,7 +98,7 @@ def answer_in_passages(record: Mapping, passages: Sequence[Passage]) -> bool:
     """Whether a normalised gold alias occurs in a retrieved passage's normalised text
     (multiple choice: the correct option's text). Used to skip demonstrations that would
     teach answering without evidence."""
-    if record.get("data_source") == "medical_mc":
+    if is_multiple_choice(record):
         meta = record.get("metadata") or {}
         letter = str(meta.get("answer_letter", record["golden_answers"][0]))
         aliases = [str((meta.get("options") or {}).get(letter, ""))]
@@ -134,7 +139,7 @@ def build_demonstration(
     """
     queries = _search_queries(record)
     answer = _gold_answer(record)
-    if record.get("data_source") == "medical_mc":
+    if is_multiple_choice(record):
         answer = str((record.get("metadata") or {}).get("answer_letter", answer))
     response: list[int] = []
     loss_mask: list[int] = []

@@ -68,7 +68,8 @@ class ModelSection(StrictModel):
 
 
 class DataSection(StrictModel):
-    """The QA sets questions are drawn from."""
+    """The QA sets questions are drawn from: the built-in sets (``qa_dir`` + ``datasets``),
+    or your own files (``train_files`` ...), which then replace them."""
 
     qa_dir: Path = Path("data/qa")
     """Folder with ``<dataset>/{train,validation,test}.jsonl`` in Search-R1 format."""
@@ -76,7 +77,37 @@ class DataSection(StrictModel):
     datasets: list[Literal["single_hop", "multi_hop", "medical_mc"]] = Field(
         default_factory=lambda: ["single_hop", "multi_hop", "medical_mc"], min_length=1
     )
-    """QA sets mixed into training (uniformly by set)."""
+    """Built-in QA sets mixed into training (uniformly by set); unused with ``train_files``."""
+
+    train_files: list[Path] = Field(default_factory=list)
+    """Your own training QA files (``.jsonl`` or ``.parquet``, Search-R1 records: see
+    :mod:`services.qa_data`); each file is one set, mixed uniformly. Empty = built-in sets."""
+
+    validation_files: list[Path] = Field(default_factory=list)
+    """Validation QA files (evaluations during training); required with ``train_files``
+    unless ``run.eval_questions = 0``."""
+
+    test_files: list[Path] = Field(default_factory=list)
+    """Test QA files (``stppo evaluate --split test``)."""
+
+    @field_validator("train_files", "validation_files", "test_files")
+    @classmethod
+    def _check_qa_suffixes(cls, value: list[Path]) -> list[Path]:
+        for path in value:
+            if path.suffix not in (".jsonl", ".parquet"):
+                raise ValueError(f"{path}: a QA file must end in .jsonl or .parquet")
+        return value
+
+    @model_validator(mode="after")
+    def _check_files_given_together(self) -> DataSection:
+        if not self.train_files and (self.validation_files or self.test_files):
+            raise ValueError("validation_files / test_files need train_files too")
+        return self
+
+    @property
+    def uses_files(self) -> bool:
+        """True when the QA sets come from ``*_files`` rather than ``qa_dir``."""
+        return bool(self.train_files)
 
 
 class RetrievalSection(StrictModel):
@@ -259,6 +290,16 @@ class RunConfig(StrictModel):
             raise ValueError(
                 f"rollout.group_size must be >= 2 for {self.algorithm.variant} "
                 f"(group-relative advantages), got {self.rollout.group_size}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_validation_files(self) -> RunConfig:
+        data = self.data
+        if data.uses_files and not data.validation_files and self.run.eval_questions > 0:
+            raise ValueError(
+                "data.validation_files: required with data.train_files (evaluations draw "
+                "from it), or set run.eval_questions = 0"
             )
         return self
 

@@ -237,9 +237,7 @@ class Driver:
         from services.weight_sync import make_weight_sync
 
         self.weight_sync = make_weight_sync(self.cfg.sync.transport)
-        self.sampler = QuestionSampler.from_dir(
-            self.cfg.data.qa_dir, list(self.cfg.data.datasets), "train", self.cfg.run.seed
-        )
+        self.sampler = QuestionSampler.from_data(self.cfg.data, "train", self.cfg.run.seed)
         self.learner = create_learner_actor(self.cfg)
         self.buffer = create_buffer_actor(self.cfg)
         ray.get(self.buffer.set_capacity.remote(self.cfg.effective_buffer_capacity))
@@ -309,9 +307,7 @@ class Driver:
         n = self.cfg.sft.num_demonstrations
         self.progress.say(f"warm start: building demonstrations from {n} training questions")
         # a separate stream (seed + 1) so RL questions are not used up by the warm start
-        records = QuestionSampler.from_dir(
-            self.cfg.data.qa_dir, list(self.cfg.data.datasets), "train", self.cfg.run.seed + 1
-        ).sample(n)
+        records = QuestionSampler.from_data(self.cfg.data, "train", self.cfg.run.seed + 1).sample(n)
         tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
         with RetrievalClient(self.retrieval_url, self.cfg.rollout.retrieval) as client:
             demos = build_demonstrations(
@@ -339,9 +335,7 @@ class Driver:
         n = self.cfg.run.eval_questions
         if n == 0:
             return
-        records = evaluation_questions(
-            self.cfg.data.qa_dir, list(self.cfg.data.datasets), "validation", n
-        )
+        records = evaluation_questions(self.cfg.data, "validation", n)
         shards = [records[i :: len(self.slots)] for i in range(len(self.slots))]
         trajectories = self._rollout_shards(shards, tag)
         summary = summarize_eval(trajectories)

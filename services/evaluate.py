@@ -174,7 +174,7 @@ def run_eval(
     """
     from actors.rollout import RolloutWorker
     from retrieval_server.testing import start_server, stop_server
-    from services.sampler import read_qa_split
+    from services.sampler import qa_sets
 
     modes = list(modes or ["agent"])
     for m in modes:
@@ -193,8 +193,8 @@ def run_eval(
     try:
         worker = RolloutWorker(str(policy_dir), cfg.rollout, url, seed=cfg.run.seed)
         scores = []
-        for name in cfg.data.datasets:
-            records = read_qa_split(cfg.data.qa_dir, name, split)[:limit]
+        for name, records in qa_sets(cfg.data, split).items():
+            records = records[:limit]
             for m in modes:
                 trajectories = evaluate_records(worker, records, batch_size, mode=m)
                 scores.append(score_set(name, trajectories, mode=m))

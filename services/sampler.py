@@ -11,8 +11,12 @@ import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from services.config import DataSection
 
 
 def read_qa_split(qa_dir: Path, dataset: str, split: str) -> list[dict]:
@@ -64,6 +68,11 @@ class QuestionSampler:
         """Load ``datasets``' ``split`` from ``qa_dir``."""
         return cls({d: read_qa_split(qa_dir, d, split) for d in datasets}, seed=seed)
 
+    @classmethod
+    def from_data(cls, data: DataSection, split: str, seed: int) -> QuestionSampler:
+        """Load ``split`` of the sets ``data`` names (built-in sets or your own files)."""
+        return cls(qa_sets(data, split), seed=seed)
+
     def _record(self, draw: int) -> dict:
         name = self._names[draw % len(self._names)]
         pool = self.records[name]
@@ -80,10 +89,28 @@ class QuestionSampler:
         return out
 
 
-def evaluation_questions(
-    qa_dir: Path, datasets: list[str], split: str, n: int, seed: int = 1234
-) -> list[dict]:
+def qa_sets(data: DataSection, split: str) -> dict[str, list[dict]]:
+    """Set name -> records of ``split`` (``train``, ``validation`` or ``test``).
+
+    Built-in sets (``data.qa_dir`` + ``data.datasets``) are named by dataset; your own files
+    (``data.<split>_files``, read by :func:`services.qa_data.load_qa_files`) by path.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`read_qa_split` (built-in sets).
+        services.qa_data.QADataError: a file is missing or malformed, or ``split`` has no files.
+    """
+    if not data.uses_files:
+        return {d: read_qa_split(data.qa_dir, d, split) for d in data.datasets}
+    from services.qa_data import QADataError, load_qa_files
+
+    files = getattr(data, f"{split}_files")
+    if not files:
+        raise QADataError(f"data.{split}_files is empty: no {split} QA files configured")
+    return load_qa_files(files)
+
+
+def evaluation_questions(data: DataSection, split: str, n: int, seed: int = 1234) -> list[dict]:
     """A fixed, evenly split sample of ``n`` questions for before/after comparisons."""
     if n <= 0:
         return []
-    return QuestionSampler.from_dir(qa_dir, datasets, split, seed).sample(n)
+    return QuestionSampler(qa_sets(data, split), seed=seed).sample(n)

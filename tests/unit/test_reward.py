@@ -64,8 +64,11 @@ def test_malformed_scores_zero_even_if_the_text_contains_the_answer():
 
 
 def test_broken_record_raises_instead_of_scoring_zero():
-    with pytest.raises(ValueError, match="data_source"):
-        compute_reward("no answer here", {"id": "x", "golden_answers": ["a"], "data_source": "nq"})
+    # any data_source is scored (nq: exact match); a record with nothing to match raises
+    with pytest.raises(ValueError, match="golden_answers is empty"):
+        compute_reward("no answer here", {"id": "x", "golden_answers": [], "data_source": "nq"})
+    with pytest.raises(ValueError, match="golden_answers"):
+        compute_reward("no answer here", {"id": "x", "data_source": "nq"})
 
 
 def test_count_malformed_lists_every_reason():

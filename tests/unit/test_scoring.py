@@ -159,8 +159,22 @@ def test_score_answer_dispatches_by_data_source() -> None:
     assert not score_answer("Down syndrome", mc)
 
 
+def test_score_answer_any_data_source() -> None:
+    # Search-R1's own sets, and any other name: exact match on golden_answers
+    assert score_answer("the Eiffel tower", _record("nq", ["Eiffel Tower"]))
+    assert not score_answer("Louvre", _record("hotpotqa", ["Eiffel Tower"]))
+    assert score_answer("Bogota", _record("trivia", ["Bogotá"]))
+    # options make any set multiple choice, with letters beyond D
+    five = {"A": "one", "B": "two", "C": "three", "D": "four", "E": "five"}
+    mc = _record("medqa", ["E"], options=five, answer_letter="E")
+    assert score_answer("E", mc)
+    assert score_answer("The answer is (e).", mc)
+    assert score_answer("five", mc)
+    assert not score_answer("D", mc)
+    # without options, F is free text: an exact-match failure
+    assert not score_answer("F", _record("medqa", ["E"]))
+
+
 def test_score_answer_rejects_bad_records() -> None:
-    with pytest.raises(ValueError, match="unknown data_source 'trivia'"):
-        score_answer("x", _record("trivia", ["x"]))
     with pytest.raises(ValueError, match="no 'golden_answers'"):
         score_answer("x", {"id": "q9", "data_source": "single_hop"})
