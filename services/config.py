@@ -32,6 +32,7 @@ from learner.config import (
 )
 from retrieval_server.config import RetrievalServerConfig
 from services.retrieval_supervisor import RetrievalSupervisorConfig
+from services.tracking import TrackingConfig
 
 
 class ConfigError(ValueError):
@@ -277,6 +278,9 @@ class RunConfig(StrictModel):
 
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus export."""
+
+    tracking: TrackingConfig = TrackingConfig()
+    """Experiment trackers (TensorBoard, MLflow, W&B) fed by the driver."""
 
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpointing."""

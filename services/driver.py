@@ -103,6 +103,7 @@ class Driver:
         self._closers: list[Any] = []
         self._retrieval_supervisor: Any = None
         self._last_checkpoint_step = -1
+        self.tracker: Any = None  # services.tracking.Tracker when tracking.backends is set
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -191,6 +192,17 @@ class Driver:
             self._closers.append(server.close)
             self.metrics_url = f"http://{self.cfg.metrics.host}:{server.port}/metrics"
             self.progress.say(f"metrics: {self.metrics_url}")
+        if self.cfg.tracking.backends:
+            from services.tracking import Tracker
+
+            self.tracker = Tracker(
+                self.cfg.tracking, self.run_dir, self.cfg.run.name, public_config(self.cfg),
+                live_config=lambda: public_config(self.control.config),
+            )  # fmt: skip
+            self._closers.append(self.tracker.close)
+            self.progress.say(
+                f"tracking: {', '.join(self.cfg.tracking.backends)} in {self.tracker.dir}"
+            )
         if self.cfg.control.enabled:
             self._start_control()
 
@@ -803,6 +815,8 @@ class Driver:
     def _append_jsonl(self, name: str, record: dict[str, Any]) -> None:
         with (self.run_dir / name).open("a") as f:
             f.write(json.dumps(record, default=_json_default) + "\n")
+        if self.tracker is not None:  # steps, evaluations, warm start, live changes
+            self.tracker.log_record(name, record)
 
 
 def restore_live_fields(cfg: RunConfig, saved: dict[str, Any]) -> RunConfig:
