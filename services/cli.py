@@ -137,6 +137,26 @@ def _build_default_index(data_dir: Path, force: bool) -> None:
         typer.echo(f"[index] {report}")
 
 
+@app.command("prepare-synthetic")
+def prepare_synthetic(
+    data_dir: Annotated[Path, typer.Option(help="Where the task is built.")] = Path(
+        "data/synthetic"
+    ),
+    seed: Annotated[int, typer.Option(min=0, help="Seed of records, splits and model.")] = 0,
+    num_records: Annotated[int, typer.Option(min=20, help="Records in the corpus.")] = 2000,
+    force: Annotated[bool, typer.Option(help="Rebuild even if a matching build exists.")] = False,
+) -> None:
+    """Build the synthetic search task of the stability benchmark: corpus, QA sets, BM25
+    index and a tiny from-scratch Llama with its tokenizer (services/synthetic_task.py)."""
+    from services.env import configure_local_caches
+
+    configure_local_caches()
+    from services.synthetic_task import SyntheticSpec, build_synthetic
+
+    spec = SyntheticSpec(seed=seed, num_records=num_records)
+    typer.echo(build_synthetic(data_dir, spec, force=force).summary)
+
+
 @app.command("serve-retrieval")
 def serve_retrieval(config: ConfigArgs = None) -> None:
     """Serve the retrieval server (``retrieval.server`` section) in the foreground."""
@@ -248,6 +268,9 @@ def experiment(
         )
     typer.echo(result.summary_md.read_text())
     typer.echo(f"wrote {result.summary_json}, {result.summary_md}, {result.figure}")
+    if result.cells_md is not None:
+        typer.echo(result.cells_md.read_text())
+        typer.echo(f"wrote {result.cells_md} (.json, .png beside it)")
 
 
 @app.command()

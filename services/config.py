@@ -152,6 +152,21 @@ class SyncConfig(StrictModel):
     transport: Literal["object_store", "nccl"] = "object_store"
     """In-memory transport: Ray object store (CPU) or NCCL broadcast (GPU)."""
 
+    fixed_lag: bool = False
+    """Exact staleness (:mod:`services.lagged_sync`): engines hold the weights exactly
+    ``buffer.max_staleness`` versions behind the learner, so every consumed trajectory has
+    staleness ``max_staleness`` (``min(step, max_staleness)`` in the first steps); generation
+    and learning alternate. Needs ``every_k_steps = 1`` and the object-store transport."""
+
+    @model_validator(mode="after")
+    def _check_fixed_lag(self) -> SyncConfig:
+        if self.fixed_lag and (self.every_k_steps != 1 or self.transport != "object_store"):
+            raise ValueError(
+                "fixed_lag needs every_k_steps = 1 and transport = 'object_store' "
+                f"(got {self.every_k_steps}, {self.transport!r})"
+            )
+        return self
+
 
 class ControlConfig(StrictModel):
     """The control plane (FastAPI): status and live config changes."""

@@ -101,6 +101,7 @@ class Driver:
         self._window_start_s = time.perf_counter()
         self._run_started_s = time.perf_counter()
         self._closers: list[Any] = []
+        self._lagged_sync: Any = None  # services.lagged_sync, with sync.fixed_lag
         self._retrieval_supervisor: Any = None
         self._last_checkpoint_step = -1
         self.tracker: Any = None  # services.tracking.Tracker when tracking.backends is set
@@ -566,6 +567,7 @@ class Driver:
             {
                 "step": self.state.learner_step,
                 "ids": [t.extra.get("trajectory_id") for t in take.trajectories],
+                "staleness": list(take.staleness),
             },
         )
         self.metrics.trajectories_consumed_total.inc(len(take.trajectories))
@@ -640,9 +642,16 @@ class Driver:
 
     def _sync_weights(self, blocking: bool) -> float:
         """Push the learner's current weights to every engine; returns the export seconds."""
-        handle = self.weight_sync.push(
-            self.learner, [s.handle for s in self.slots], self.state.policy_version
-        )
+        engines = [s.handle for s in self.slots]
+        if self.cfg.sync.fixed_lag:  # engines exactly buffer.max_staleness versions behind
+            from services.lagged_sync import LaggedWeightSync
+
+            self._lagged_sync = self._lagged_sync or LaggedWeightSync()
+            handle = self._lagged_sync.push(
+                self.learner, engines, self.state.policy_version, self.cfg.buffer.max_staleness
+            )
+        else:
+            handle = self.weight_sync.push(self.learner, engines, self.state.policy_version)
         self._sync = handle
         for slot in self.slots:
             slot.engine_version = handle.policy_version

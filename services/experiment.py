@@ -126,6 +126,17 @@ class ExperimentSpec(StrictModel):
     (``model.path`` = its ``hf_policy/``, ``sft.enabled = false``). The warm start uses the
     first seed. Grid runs then take that policy as their reference (KL) and critic backbone."""
 
+    seed_major: bool = False
+    """Run order: every grid point's first seed, then every grid point's second seed...
+    (True), instead of all seeds of one grid point before the next (False). A grid cut
+    short then still covers every grid point."""
+
+    cells: bool = False
+    """Also summarise per grid point over its seeds (:mod:`services.stability`):
+    ``cells.json``, ``cells.md`` (mean, sd and t-interval of final success, collapsed runs,
+    clip ratio, largest token log-ratio, approx KL, clip-bias scale, realised staleness) and
+    ``cells.png`` (success curves, mean and band over seeds, one panel per staleness)."""
+
     @field_validator("grid")
     @classmethod
     def _check_grid(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
@@ -322,19 +333,22 @@ def plan_runs(
             "model.path": str(warm_start_policy_dir(spec, name, output_dir)),
             "sft.enabled": False,
         }
-    for values in itertools.product(*(spec.grid[k] for k in keys)):
-        grid_values = dict(zip(keys, values, strict=True))
-        for seed in spec.seeds:
-            rname = run_name(grid_values, seed)
-            fixed = {
-                "run.name": rname,
-                "run.output_dir": str(output_dir / name),
-                "run.seed": seed,
-                "run.num_steps": spec.num_steps,
-                **shared,
-            }
-            cfg = _load_run_config(spec, rname, grid_values, extra_overrides, fixed)
-            planned.append(PlannedRun(rname, grid_values, seed, cfg))
+    points = [dict(zip(keys, v, strict=True)) for v in itertools.product(*spec.grid.values())]
+    if spec.seed_major:
+        order = [(point, seed) for seed in spec.seeds for point in points]
+    else:
+        order = [(point, seed) for point in points for seed in spec.seeds]
+    for grid_values, seed in order:
+        rname = run_name(grid_values, seed)
+        fixed = {
+            "run.name": rname,
+            "run.output_dir": str(output_dir / name),
+            "run.seed": seed,
+            "run.num_steps": spec.num_steps,
+            **shared,
+        }
+        cfg = _load_run_config(spec, rname, grid_values, extra_overrides, fixed)
+        planned.append(PlannedRun(rname, grid_values, seed, cfg))
     return planned
 
 
@@ -541,6 +555,7 @@ class ExperimentResult:
     summary_md: Path
     figure: Path | None
     wall_s: float
+    cells_md: Path | None = None
 
 
 def run_experiment(
@@ -621,7 +636,12 @@ def summarize_experiment(
     json_path, md_path = write_summary(summaries, spec.collapse, out_dir, extra)
     with_steps = [r.config.run_dir for r, s in zip(started, summaries, strict=True) if s.num_steps]
     figure = plot_runs(with_steps, out_dir / "curves.png") if with_steps else None
-    return ExperimentResult(summaries, json_path, md_path, figure, 0.0)
+    cells_md = None
+    if spec.cells:
+        from services.stability import write_cells
+
+        _, cells_md, _ = write_cells([r.config.run_dir for r in started], spec.collapse, out_dir)
+    return ExperimentResult(summaries, json_path, md_path, figure, 0.0, cells_md)
 
 
 def train_with_time_cap(cfg: RunConfig, max_run_s: float) -> Any:

@@ -1,0 +1,78 @@
+"""Exact staleness: engines hold the weights exactly ``k`` learner versions behind.
+
+With ``sync.fixed_lag = true`` the driver exports the learner's weights after every learner
+step (as usual) but pushes to the engines the export of version ``v - k`` (``k`` =
+``buffer.max_staleness``), kept in the Ray object store since then. With the staleness-aware
+admission of :mod:`learner.admission`, an engine at version ``e = V - k`` may start at most
+``(e + k + 1 - V) * B = B`` trajectories, which the step at ``V`` takes: every batch is
+generated ``k`` versions before the step that trains on it, so the realised staleness is
+exactly ``k`` from the ``k``-th learner step on, and ``min(step index, k)`` before (there is
+no older policy than the first one). The driver logs the staleness of every consumed
+trajectory (``consumed.jsonl``: ``staleness``), and ``tests/integration/test_stability.py``
+checks it.
+
+The loop is then synchronous (generation and learning alternate); that is the price of an
+exact lag. Without it, ``buffer.max_staleness`` is only a bound: the realised staleness
+depends on how fast rollouts and learner steps are (0, 1, 2, 3, then 4 in the PPO vs ST-PPO
+experiment).
+
+Memory: ``k + 1`` exported state dicts live in the object store (one per version still to
+be pushed). Object-store transport only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from services.weight_sync import SyncHandle
+
+
+class LaggedWeightSync:
+    """Exports every version, pushes the one ``lag`` versions older (module docstring)."""
+
+    def __init__(self) -> None:
+        self._exports: dict[int, Any] = {}
+
+    def push(self, learner: Any, engines: list[Any], policy_version: int, lag: int) -> SyncHandle:
+        """Export the learner's weights (version ``policy_version``), then queue on every
+        engine the load of version ``max(first exported, policy_version - lag)``.
+
+        Returns:
+            The :class:`SyncHandle` of the version pushed (``policy_version`` is that
+            lagged version, ``export_s`` the export time of this call).
+
+        Raises:
+            RuntimeError: the learner exported another version than ``policy_version``.
+            ValueError: ``lag < 0``.
+        """
+        import ray
+
+        if lag < 0:
+            raise ValueError(f"lag must be >= 0, got {lag}")
+        started = time.perf_counter()
+        weights_ref, version_ref = learner.export_weights.options(num_returns=2).remote()
+        exported = ray.get(version_ref)
+        if exported != policy_version:
+            raise RuntimeError(
+                f"learner exported policy_version {exported}, driver expected {policy_version}"
+            )
+        export_s = time.perf_counter() - started
+        self._exports[policy_version] = weights_ref
+        target = max(min(self._exports), policy_version - lag)
+        # versions older than the target are never pushed again
+        for v in [v for v in self._exports if v < target]:
+            del self._exports[v]
+        version = max(v for v in self._exports if v <= target)
+        handle = SyncHandle(version, export_s, [], self._exports[version], started)
+        handle.acks = [e.load_weights.remote(handle.weights_ref, version) for e in engines]
+        return handle
+
+    def push_to(self, handle: SyncHandle, engines: list[Any]) -> list[Any]:
+        """Re-send an already pushed version to some engines (restarted ones)."""
+        return [e.load_weights.remote(handle.weights_ref, handle.policy_version) for e in engines]
+
+    @property
+    def versions_held(self) -> list[int]:
+        """Versions whose export is kept (ascending)."""
+        return sorted(self._exports)
