@@ -45,7 +45,7 @@ def test_qa_answers_follow_the_corpus_and_splits_are_disjoint():
 
 def test_fixed_lag_needs_sync_every_step():
     load_config(None, ["sync.fixed_lag=true", "buffer.max_staleness=4"])
-    with pytest.raises(ConfigError, match="sync: .*fixed_lag needs every_k_steps = 1"):
+    with pytest.raises(ConfigError, match=r"sync: .*fixed_lag needs every_k_steps = 1"):
         load_config(None, ["sync.fixed_lag=true", "buffer.max_staleness=4", "sync.every_k_steps=2"])
 
 
