@@ -6,7 +6,7 @@ Everything the driver appends to its JSON Lines logs goes to every configured ba
 | driver log | logged as | step |
 |---|---|---|
 | ``steps.jsonl`` | ``train/<key>`` for every numeric field | ``step`` (learner step) |
-| ``eval.jsonl`` | ``eval/<key>`` (``eval/success_rate``, ``eval/success_rate/nq`` ...) | ``learner_step`` |
+| ``eval.jsonl`` | ``eval/<key>`` (``eval/success_rate``, ``eval/success_rate/nq`` ...; MLflow: ``eval/success_rate.nq``) | ``learner_step`` |
 | ``sft.jsonl`` | ``sft/<key>`` | 0 |
 | ``config_changes.jsonl`` | ``config/<dotted field>`` with its new value (numbers as metrics, text as TensorBoard text / MLflow tags) | ``learner_step`` |
 
@@ -228,7 +228,11 @@ class _WandB:
 
 
 def _mlflow_key(key: str) -> str:
-    return _MLFLOW_KEY.sub("_", key)
+    """An MLflow-safe key: ``eval/success_rate/nq`` -> ``eval/success_rate.nq``. The file
+    store keeps each key as a file under folders split at ``/``, so ``eval/success_rate``
+    (a file) and ``eval/success_rate/nq`` (a folder of that name) could not both exist."""
+    prefix, sep, rest = key.partition("/")
+    return _MLFLOW_KEY.sub("_", prefix + sep + rest.replace("/", "."))
 
 
 class Tracker:
