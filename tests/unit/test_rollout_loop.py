@@ -196,12 +196,37 @@ def test_bad_input_is_rejected(tok):
         )
 
 
-def test_vllm_engine_without_vllm_says_how_to_install_it():
-    import importlib.util
+def test_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch):
+    import sys
 
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM is installed here")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     from actors.engines.vllm import VLLMEngine
 
-    with pytest.raises(ImportError, match=r"setup_vllm_cpu\.sh"):
+    with pytest.raises(ImportError, match=r"scripts/setup\.sh"):
         VLLMEngine("unused-model-path")
+
+
+def test_build_engine_falls_back_to_hf_with_one_line_where_vllm_is_missing(
+    monkeypatch, caplog, tiny_llama_dir
+):
+    import importlib.util
+    import logging
+
+    from actors import rollout
+    from actors.engines.hf import HFEngine
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "vllm" else real_find_spec(name, *a),
+    )
+    with caplog.at_level(logging.WARNING, logger="actors.rollout"):
+        engine = rollout.build_engine(
+            str(tiny_llama_dir), RolloutConfig(engine="vllm", dtype="fp32"), 0
+        )
+    assert isinstance(engine, HFEngine)
+    assert [r.getMessage() for r in caplog.records if "not installed" in r.getMessage()] == [
+        "rollout.engine = 'vllm' but vLLM is not installed here: using the HF engine "
+        "(install with scripts/setup.sh on CPU, or pip install -e '.[gpu]' on GPU)"
+    ]

@@ -1,0 +1,108 @@
+"""Which compute dtype this machine runs fast: ``dtype = "auto"`` for the learner and engines.
+
+bf16 halves memory and bandwidth, but on a CPU it is only fast where the CPU multiplies
+bf16 natively: AVX-512 BF16 (``avx512_bf16``, Intel Cooper Lake and later, AMD Zen 4 and
+later) or AMX (``amx_bf16``, Sapphire Rapids and later). Elsewhere PyTorch emulates it,
+and bf16 is *much* slower than fp32. Measured, one 512x576 @ 576x1536 matmul on one thread:
+
+=====================================  ==========  ==========
+CPU                                    fp32        bf16
+=====================================  ==========  ==========
+AMD EPYC, AVX2 only                    11 ms       753 ms
+AMD EPYC, AVX-512 + avx512_bf16        9.8 ms      2.1 ms
+=====================================  ==========  ==========
+
+So ``auto`` means: bf16 on CUDA; on a CPU, bf16 where ``/proc/cpuinfo`` lists
+``avx512_bf16`` or ``amx_bf16``, fp32 otherwise. ``STPPO_CPU_BF16=1`` / ``=0`` forces the CPU
+branch either way (tests, or a CPU the flags misreport). ``benchmarks/cpu_dtype.py``
+re-measures the matmul on the machine at hand.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+DtypeName = Literal["bf16", "fp32"]
+FORCE_ENV = "STPPO_CPU_BF16"
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """A resolved compute dtype and the reason it was chosen (written to the run log)."""
+
+    name: DtypeName
+    reason: str
+
+    @property
+    def torch_dtype(self):
+        """``torch.bfloat16`` or ``torch.float32``."""
+        import torch
+
+        return torch.bfloat16 if self.name == "bf16" else torch.float32
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, set[str]]:
+    """The CPU model name and its feature flags, read from ``/proc/cpuinfo`` (Linux).
+
+    Returns ``(platform.processor() or "unknown", set())`` where the file is missing (macOS).
+    """
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return platform.processor() or "unknown", set()
+    model, flags = "unknown", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model == "unknown":
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    return model, flags
+
+
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[bool, str]:
+    """Whether this CPU multiplies bf16 natively, and why (model name and the flag seen).
+
+    ``STPPO_CPU_BF16`` (``1``/``0``) overrides the detection.
+
+    Raises:
+        ValueError: ``STPPO_CPU_BF16`` is set to something other than ``0`` or ``1``.
+    """
+    forced = os.environ.get(FORCE_ENV)
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise ValueError(f"{FORCE_ENV} must be 0 or 1, got {forced!r}")
+        return forced == "1", f"{FORCE_ENV}={forced}"
+    model, flags = cpu_flags(cpuinfo)
+    native = sorted(f for f in BF16_CPU_FLAGS if f in flags)
+    if native:
+        return True, f"{model} has {', '.join(native)}"
+    return False, f"{model} has no native bf16 ({' / '.join(BF16_CPU_FLAGS)} not in its flags)"
+
+
+def resolve_dtype(requested: str, device: str = "cpu") -> DtypeChoice:
+    """The compute dtype for ``requested`` (``auto``, ``bf16`` or ``fp32``) on ``device``.
+
+    Args:
+        requested: the config value.
+        device: ``"cpu"`` or ``"cuda"`` (where the model will run).
+
+    Raises:
+        ValueError: an unknown ``requested`` value.
+    """
+    if requested in ("bf16", "fp32"):
+        return DtypeChoice(requested, "set in the config")  # type: ignore[arg-type]
+    if requested != "auto":
+        raise ValueError(f"dtype must be 'auto', 'bf16' or 'fp32', got {requested!r}")
+    if device == "cuda":
+        return DtypeChoice("bf16", "auto: CUDA device")
+    native, why = cpu_has_native_bf16()
+    if native:
+        return DtypeChoice("bf16", f"auto: {why}")
+    return DtypeChoice("fp32", f"auto: {why}; bf16 would be emulated (tens of times slower)")
