@@ -75,11 +75,15 @@ def train(
     """Run the asynchronous actor-learner job (Ray actors, DeepSpeed learner, retrieval server)."""
     cfg = _load(config)
     from services.env import configure_local_caches
+    from services.model_source import ModelSourceError, is_hub_id
 
-    configure_local_caches()
+    configure_local_caches(hub_online=is_hub_id(cfg.model.path))
     from services.driver import run_training
 
-    run_training(cfg, resume=resume)
+    try:
+        run_training(cfg, resume=resume)
+    except ModelSourceError as e:
+        _fail(str(e))
 
 
 @app.command()
@@ -195,15 +199,18 @@ def evaluate(
         _fail(f"--mode must be agent, closed_book, rag or all, got {mode!r}")
     cfg = _load(config)
     from services.env import configure_local_caches
+    from services.model_source import ModelSourceError, is_hub_id, with_resolved_model
 
-    configure_local_caches()
+    configure_local_caches(hub_online=checkpoint is None and is_hub_id(cfg.model.path))
     from services.evaluate import parse_modes, run_eval
 
     try:
+        if checkpoint is None:
+            cfg = with_resolved_model(cfg)
         run_eval(
             cfg, checkpoint=checkpoint, split=split, limit=limit, out=out, modes=parse_modes(mode)
         )
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ModelSourceError) as e:
         _fail(str(e))
 
 

@@ -65,7 +65,12 @@ class ModelSection(StrictModel):
     """The policy model every component starts from."""
 
     path: Path = Path("data/model/smollm2-135m-instruct")
-    """Folder with safetensors weights, config and tokenizer (built by ``stppo prepare``)."""
+    """Local Hugging Face causal-LM folder (weights, config, tokenizer with a chat template;
+    the default is built by ``stppo prepare``), or a hub id ``org/name`` downloaded once when
+    online (see :mod:`services.model_source`)."""
+
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub id ``path``; unused for a folder."""
 
 
 class DataSection(StrictModel):

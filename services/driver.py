@@ -915,5 +915,12 @@ def _fmt(values: dict[str, Any]) -> str:
 
 
 def run_training(cfg: RunConfig, resume: bool = False) -> DriverState:
-    """Entry point of ``stppo train``."""
-    return Driver(cfg, resume=resume).run()
+    """Entry point of ``stppo train``: resolves ``model.path`` (a hub id is downloaded once,
+    :mod:`services.model_source`) and runs the :class:`Driver`.
+
+    Raises:
+        services.model_source.ModelSourceError: ``model.path`` is not usable.
+    """
+    from services.model_source import with_resolved_model
+
+    return Driver(with_resolved_model(cfg), resume=resume).run()

@@ -43,13 +43,18 @@ def ray_temp_dir() -> Path:
     return path
 
 
-def configure_local_caches() -> dict[str, str]:
+def configure_local_caches(hub_online: bool = False) -> dict[str, str]:
     """Point every cache/temp variable at ``CACHE_ROOT`` unless the user already set it.
 
     Also sets, unless already set: ``HF_HUB_OFFLINE=1`` (no hub is reachable; fail fast
     instead of retrying), ``RAY_AUTH_MODE=disabled`` for the local cluster (see README; not
     when a Ray token is in the environment, as on a KubeRay cluster with token auth),
     and quiet transformers logging (no per-actor weight-loading bars).
+
+    Args:
+        hub_online: leave ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` unset (``model.path``
+            is a hub id: :mod:`services.model_source` downloads it once, then every
+            component loads the downloaded folder).
 
     Returns:
         The variables this call set (name -> value).
@@ -63,6 +68,8 @@ def configure_local_caches() -> dict[str, str]:
     for var, value in _DEFAULTS:
         if var == "RAY_AUTH_MODE" and _ray_token_configured():
             continue  # a token is there (KubeRay's authOptions): leave Ray's auth to Ray
+        if hub_online and var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            continue
         if var not in os.environ:
             os.environ[var] = changed[var] = value
     return changed
