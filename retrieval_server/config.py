@@ -82,6 +82,34 @@ class RetrievalServerConfig(BaseModel):
     dense_batch_size: int = Field(64, ge=1, le=4096)
     """Passages per encoder batch while building the dense index."""
 
+    dense_query_prefix: str = Field("", max_length=64)
+    """Text put before every query before encoding (E5: ``"query: "``; MiniLM: none)."""
+
+    dense_passage_prefix: str = Field("", max_length=64)
+    """Text put before every passage before encoding (E5: ``"passage: "``); recorded in the
+    index manifest: an index built with another prefix is refused at load."""
+
+    dense_index_type: Literal["flat", "ivf", "hnsw"] = "flat"
+    """faiss index over the normalised embeddings (inner product = cosine): ``flat`` exact
+    (``IndexFlatIP``), ``ivf`` clustered (``IndexIVFFlat``, trained on the corpus), ``hnsw``
+    graph (``IndexHNSWFlat``). IVF and HNSW are approximate and faster on large corpora."""
+
+    dense_ivf_nlist: int = Field(1024, ge=1, le=1_000_000)
+    """IVF: number of clusters (faiss advises >= 39 training points per cluster; the build
+    fails when the corpus has fewer passages than clusters)."""
+
+    dense_ivf_nprobe: int = Field(32, ge=1, le=1_000_000)
+    """IVF: clusters visited per query (search time; higher = better recall, slower)."""
+
+    dense_hnsw_m: int = Field(32, ge=4, le=256)
+    """HNSW: neighbours per node (build time)."""
+
+    dense_hnsw_ef_construction: int = Field(200, ge=8, le=10_000)
+    """HNSW: candidate list size while building."""
+
+    dense_hnsw_ef_search: int = Field(128, ge=1, le=100_000)
+    """HNSW: candidate list size per query (search time; at least ``topk`` is used)."""
+
     hybrid_candidates: int = Field(50, ge=1, le=1000)
     """Hybrid: top passages taken from each of BM25 and dense before fusion (at least ``topk``)."""
 

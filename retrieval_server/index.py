@@ -3,11 +3,14 @@
 Layout::
 
     index_dir/bm25/   bm25s files (CSC score arrays .npy, vocab JSON) + manifest.json
-    index_dir/dense/  faiss.index (IndexFlatIP, float32 x 384) + manifest.json
+    index_dir/dense/  faiss.index (flat / IVF / HNSW inner product, float32 x 384) + manifest.json
     hybrid            has no folder of its own: it loads bm25/ and dense/
 
-``manifest.json`` records the corpus sha256 and passage count; loading an index built from
-another corpus raises :class:`IndexMismatchError` instead of serving wrong passages.
+``manifest.json`` records the corpus sha256 and passage count (dense: also the encoder, the
+prefixes and the faiss index type, :func:`dense_build_fields`); loading an index built from
+another corpus or with other dense settings raises :class:`IndexMismatchError` instead of
+serving wrong passages. A faiss index built elsewhere (e.g. Search-R1's ``e5_Flat.index``)
+is taken in by :func:`register_prebuilt_dense_index`, which checks it and writes the manifest.
 
 Example::
 
@@ -34,6 +37,7 @@ from retrieval_server.retrievers import (
     DenseRetriever,
     HybridRetriever,
     Retriever,
+    faiss_index_type,
     load_encoder,
     write_json,
 )
@@ -118,7 +122,7 @@ def build_index(
     reports = []
     for base in _BASE_METHODS[config.method]:
         directory = index_directory(config, base)
-        if not force and _manifest_matches(directory, base, corpus_sha256, len(passages)):
+        if not force and _manifest_matches(directory, base, corpus_sha256, len(passages), config):
             log.info("index %s is up to date, not rebuilding", directory)
             continue
         reports.append(_build_one(config, base, passages, corpus_sha256, lock_path))
@@ -145,7 +149,12 @@ def _build_one(
         )
         chunks = directory.with_name(f"{directory.name}.partial-{corpus_sha256[:12]}")
         chunks.mkdir(parents=True, exist_ok=True)
-        dense = DenseRetriever.build(passages, encoder, config.dense_batch_size, chunks, lock_path)
+        dense = DenseRetriever.build(
+            passages, encoder, config.dense_batch_size, chunks, lock_path,
+            passage_prefix=config.dense_passage_prefix, index_type=config.dense_index_type,
+            nlist=config.dense_ivf_nlist, hnsw_m=config.dense_hnsw_m,
+            ef_construction=config.dense_hnsw_ef_construction,
+        )  # fmt: skip
         dense.save(staging)
     build_time_s = time.perf_counter() - start
     report = IndexBuildReport(
@@ -162,6 +171,8 @@ def _build_one(
         corpus_sha256=corpus_sha256,
         dense_max_seq_tokens=config.dense_max_seq_tokens if base == "dense" else None,
     )
+    if base == "dense":
+        manifest.update(dense_build_fields(config))
     write_json(staging / MANIFEST, manifest)
     # Swap in whole so a crash mid-build never leaves a half-written index in place.
     shutil.rmtree(directory, ignore_errors=True)
@@ -172,6 +183,42 @@ def _build_one(
     return report
 
 
+def dense_build_fields(config: RetrievalServerConfig) -> dict[str, object]:
+    """What a dense index depends on besides the corpus (recorded in its manifest; a
+    different value in the config means another index): the encoder folder, the prefixes,
+    the faiss index type and its build parameters."""
+    fields: dict[str, object] = {
+        "dense_model_dir": str(config.dense_model_dir) if config.dense_model_dir else None,
+        "dense_query_prefix": config.dense_query_prefix,
+        "dense_passage_prefix": config.dense_passage_prefix,
+        "dense_index_type": config.dense_index_type,
+    }
+    if config.dense_index_type == "ivf":
+        fields["dense_ivf_nlist"] = config.dense_ivf_nlist
+    if config.dense_index_type == "hnsw":
+        fields["dense_hnsw_m"] = config.dense_hnsw_m
+    return fields
+
+
+# what an index built before these fields existed was built with
+_DENSE_DEFAULTS = {
+    "dense_model_dir": None,
+    "dense_query_prefix": "",
+    "dense_passage_prefix": "",
+    "dense_index_type": "flat",
+}
+
+
+def _dense_mismatches(config: RetrievalServerConfig, manifest: dict) -> list[str]:
+    """``field: index has X, config has Y`` for each dense build field that differs."""
+    out = []
+    for key, wanted in dense_build_fields(config).items():
+        have = manifest.get(key, _DENSE_DEFAULTS.get(key))
+        if have != wanted:
+            out.append(f"{key}: index has {have!r}, config has {wanted!r}")
+    return out
+
+
 def _read_manifest(directory: Path) -> dict | None:
     path = directory / MANIFEST
     if not path.is_file():
@@ -179,13 +226,20 @@ def _read_manifest(directory: Path) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _manifest_matches(directory: Path, base: str, corpus_sha256: str, num_passages: int) -> bool:
+def _manifest_matches(
+    directory: Path,
+    base: str,
+    corpus_sha256: str,
+    num_passages: int,
+    config: RetrievalServerConfig | None = None,
+) -> bool:
     manifest = _read_manifest(directory)
     return (
         manifest is not None
         and manifest.get("method") == base
         and manifest.get("corpus_sha256") == corpus_sha256
         and manifest.get("num_passages") == num_passages
+        and not (base == "dense" and config is not None and _dense_mismatches(config, manifest))
     )
 
 
@@ -204,6 +258,13 @@ def _check_index(config: RetrievalServerConfig, base: str, passages: Passages) -
         raise IndexMismatchError(
             f"{base} index at {directory} was built from another version of "
             f"{config.corpus_path}: rebuild ({hint} --force-build)"
+        )
+    mismatches = _dense_mismatches(config, manifest) if base == "dense" else []
+    if mismatches:
+        raise IndexMismatchError(
+            f"dense index at {directory} was built with other settings ("
+            + "; ".join(mismatches)
+            + f"): rebuild ({hint} --force-build) or change the config"
         )
     return directory
 
@@ -231,7 +292,11 @@ def load_retriever(config: RetrievalServerConfig) -> LoadedRetriever:
         encoder = load_encoder(
             config.dense_model_dir, config.dense_max_seq_tokens, config.torch_threads
         )
-        dense = DenseRetriever.load(directories["dense"], passages, encoder)
+        dense = DenseRetriever.load(
+            directories["dense"], passages, encoder,
+            query_prefix=config.dense_query_prefix, nprobe=config.dense_ivf_nprobe,
+            ef_search=config.dense_hnsw_ef_search,
+        )  # fmt: skip
     if bm25 is not None and dense is not None:
         retriever = HybridRetriever(bm25, dense, config.hybrid_candidates, config.rrf_k)
     else:
@@ -242,3 +307,81 @@ def load_retriever(config: RetrievalServerConfig) -> LoadedRetriever:
         rss_gib=rss_gib(),
         index_bytes=sum(directory_bytes(d) for d in directories.values()),
     )
+
+
+def register_prebuilt_dense_index(
+    config: RetrievalServerConfig, faiss_path: Path, link: bool = False
+) -> IndexBuildReport:
+    """Adopt a faiss index built elsewhere as ``index_dir/dense`` and write its manifest.
+
+    The index must hold one vector per passage of ``config.corpus_path``, in file order, made
+    by the encoder of ``config.dense_model_dir`` (with ``dense_passage_prefix``) and
+    L2-normalised (inner product = cosine). Its type (flat / IVF / HNSW) is read from the file
+    and must be ``config.dense_index_type``.
+
+    Args:
+        link: hard-link the file instead of copying it (same file system only).
+
+    Raises:
+        CorpusError: the corpus is missing or malformed.
+        IndexMismatchError: not a faiss index, a passage-count, dimension or index-type
+            mismatch (each message names the numbers).
+    """
+    import faiss
+
+    passages = load_passages(config.corpus_path)
+    try:
+        index = faiss.read_index(str(faiss_path), faiss.IO_FLAG_MMAP)
+    except Exception as e:  # faiss raises RuntimeError with its C++ message
+        raise IndexMismatchError(f"{faiss_path}: not a readable faiss index ({e})") from None
+    if index.ntotal != len(passages):
+        raise IndexMismatchError(
+            f"{faiss_path} holds {index.ntotal} vectors but {config.corpus_path} has "
+            f"{len(passages)} passages (one vector per passage, in file order)"
+        )
+    kind = faiss_index_type(index)
+    if kind != config.dense_index_type:
+        raise IndexMismatchError(
+            f"{faiss_path} is a {kind} index but dense_index_type is "
+            f"{config.dense_index_type!r}: set it to match"
+        )
+    encoder = load_encoder(
+        config.dense_model_dir, config.dense_max_seq_tokens, config.torch_threads
+    )
+    if index.d != encoder.get_embedding_dimension():
+        raise IndexMismatchError(
+            f"{faiss_path} holds {index.d}-dimensional vectors but the encoder "
+            f"({config.dense_model_dir or 'all-MiniLM-L6-v2'}) makes "
+            f"{encoder.get_embedding_dimension()}: set dense_model_dir to the index's encoder"
+        )
+    directory = index_directory(config, "dense")
+    staging = directory.with_name(directory.name + ".building")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    target = staging / DenseRetriever.INDEX_FILE
+    if link:
+        target.hardlink_to(faiss_path)
+    else:
+        shutil.copyfile(faiss_path, target)
+    report = IndexBuildReport(
+        method="dense",
+        directory=directory,
+        num_passages=len(passages),
+        build_time_s=0.0,
+        peak_rss_gib=peak_rss_gib(),
+        index_bytes=directory_bytes(staging),
+    )
+    manifest = {k: v for k, v in asdict(report).items() if k != "directory"}
+    manifest.update(
+        corpus_path=str(config.corpus_path),
+        corpus_sha256=file_sha256(config.corpus_path),
+        dense_max_seq_tokens=config.dense_max_seq_tokens,
+        prebuilt_from=str(faiss_path),
+        prebuilt_sha256=file_sha256(faiss_path),
+        **dense_build_fields(config),
+    )
+    write_json(staging / MANIFEST, manifest)
+    shutil.rmtree(directory, ignore_errors=True)
+    staging.rename(directory)
+    log.info("registered prebuilt dense index: %s", manifest)
+    return report

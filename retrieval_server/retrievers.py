@@ -237,17 +237,76 @@ def encode(encoder: Any, texts: Sequence[str], batch_size: int) -> np.ndarray:
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
+FAISS_INDEX_TYPES = ("flat", "ivf", "hnsw")
+"""faiss index types the dense retriever builds (inner product over normalised vectors)."""
+
+
+def make_faiss_index(
+    index_type: str, dim: int, nlist: int = 1024, hnsw_m: int = 32, ef_construction: int = 200
+) -> Any:
+    """An empty inner-product faiss index: ``IndexFlatIP``, ``IndexIVFFlat`` (``nlist``
+    clusters, needs ``train``) or ``IndexHNSWFlat`` (``hnsw_m`` links per node).
+
+    Raises:
+        ValueError: an unknown ``index_type``.
+    """
+    import faiss
+
+    if index_type == "flat":
+        return faiss.IndexFlatIP(dim)
+    if index_type == "ivf":
+        return faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+    if index_type == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = ef_construction
+        return index
+    raise ValueError(f"unknown faiss index type {index_type!r}; expected {FAISS_INDEX_TYPES}")
+
+
+def faiss_index_type(index: Any) -> str:
+    """``flat``, ``ivf`` or ``hnsw`` for an index of those families, else its class name."""
+    import faiss
+
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexFlat):
+        return "flat"
+    if isinstance(index, faiss.IndexIVF):
+        return "ivf"
+    if isinstance(index, faiss.IndexHNSW):
+        return "hnsw"
+    return type(index).__name__
+
+
 class DenseRetriever:
-    """Cosine similarity of all-MiniLM-L6-v2 embeddings, exact search (faiss ``IndexFlatIP``
-    over L2-normalised vectors)."""
+    """Cosine similarity of sentence-transformers embeddings (all-MiniLM-L6-v2 by default)
+    in a faiss inner-product index over L2-normalised vectors: exact (``flat``) or
+    approximate (``ivf``, ``hnsw``); optional query / passage prefixes (E5: ``"query: "`` /
+    ``"passage: "``)."""
 
     method = "dense"
     INDEX_FILE = "faiss.index"
 
-    def __init__(self, encoder: Any, index: Any, passages: Passages) -> None:
+    def __init__(
+        self,
+        encoder: Any,
+        index: Any,
+        passages: Passages,
+        query_prefix: str = "",
+        nprobe: int = 32,
+        ef_search: int = 128,
+    ) -> None:
+        import faiss
+
         self._encoder = encoder
         self._index = index
         self.passages = passages
+        self.query_prefix = query_prefix
+        self.index_type = faiss_index_type(index)
+        inner = faiss.downcast_index(index)
+        if isinstance(inner, faiss.IndexIVF):
+            inner.nprobe = min(nprobe, inner.nlist)
+        self._ef_search = ef_search
+        self._hnsw = inner.hnsw if isinstance(inner, faiss.IndexHNSW) else None
 
     @classmethod
     def build(
@@ -257,6 +316,13 @@ class DenseRetriever:
         batch_size: int,
         chunk_dir: Path | None = None,
         lock_path: Path | None = None,
+        *,
+        passage_prefix: str = "",
+        index_type: str = "flat",
+        nlist: int = 1024,
+        hnsw_m: int = 32,
+        ef_construction: int = 200,
+        **search_params: Any,
     ) -> DenseRetriever:
         """Encode every passage (the slow step: ~30-150 passages/s per core here).
 
@@ -265,14 +331,28 @@ class DenseRetriever:
                 ``chunk_<i>.npy`` and reused by a later call, so an interrupted build resumes.
             lock_path: if given, hold an exclusive ``flock`` on it while encoding each chunk
                 (the shared heavy-job lock), so other jobs can run between chunks.
-        """
-        import faiss
+            passage_prefix: put before each passage's ``contents`` before encoding.
+            index_type: ``flat``, ``ivf`` (trained on every embedding once all are encoded)
+                or ``hnsw``; ``nlist``, ``hnsw_m``, ``ef_construction`` as
+                :func:`make_faiss_index`.
+            search_params: ``query_prefix``, ``nprobe``, ``ef_search`` of the result.
 
-        index = faiss.IndexFlatIP(encoder.get_embedding_dimension())
+        Raises:
+            ValueError: ``ivf`` with fewer passages than ``nlist`` clusters.
+        """
+        if index_type == "ivf" and len(passages) < nlist:
+            raise ValueError(
+                f"dense_ivf_nlist={nlist} clusters need at least as many passages; the corpus "
+                f"has {len(passages)}: lower dense_ivf_nlist (faiss advises >= 39 per cluster)"
+            )
+        index = make_faiss_index(
+            index_type, encoder.get_embedding_dimension(), nlist, hnsw_m, ef_construction
+        )
+        held: list[np.ndarray] = []  # IVF: every chunk, added after training
         start = time.perf_counter()
         encoded_here = 0
         for chunk_no, first in enumerate(range(0, len(passages), _ENCODE_CHUNK)):
-            chunk = passages.contents[first : first + _ENCODE_CHUNK]
+            chunk = [passage_prefix + c for c in passages.contents[first : first + _ENCODE_CHUNK]]
             saved = chunk_dir / f"chunk_{chunk_no:05d}.npy" if chunk_dir else None
             if saved is not None and saved.is_file():
                 vectors = np.load(saved)
@@ -283,12 +363,20 @@ class DenseRetriever:
                 if saved is not None:
                     np.save(saved.with_suffix(".tmp.npy"), vectors)
                     saved.with_suffix(".tmp.npy").rename(saved)
-            index.add(vectors)
+            if index_type == "ivf":
+                held.append(vectors)
+            else:
+                index.add(vectors)
             rate = encoded_here / (time.perf_counter() - start)
             log.info(
-                "dense index: %d/%d passages (%.0f/s encoded)", index.ntotal, len(passages), rate
-            )
-        return cls(encoder, index, passages)
+                "dense index: %d/%d passages (%.0f/s encoded)",
+                first + len(chunk), len(passages), rate,
+            )  # fmt: skip
+        if held:
+            vectors = np.concatenate(held)
+            index.train(vectors)
+            index.add(vectors)
+        return cls(encoder, index, passages, **search_params)
 
     def save(self, directory: Path) -> None:
         """Write the faiss index to ``directory/faiss.index``."""
@@ -299,9 +387,10 @@ class DenseRetriever:
 
     @classmethod
     def load(
-        cls, directory: Path, passages: Passages, encoder: Any, mmap: bool = True
+        cls, directory: Path, passages: Passages, encoder: Any, mmap: bool = True, **search_params
     ) -> DenseRetriever:
-        """Load ``faiss.index`` (memory-mapped when ``mmap``)."""
+        """Load ``faiss.index`` (memory-mapped when ``mmap``); ``search_params`` as
+        :meth:`build`."""
         import faiss
 
         flags = faiss.IO_FLAG_MMAP if mmap else 0
@@ -310,16 +399,23 @@ class DenseRetriever:
             raise ValueError(
                 f"dense index at {directory} has {index.ntotal} passages, corpus has {len(passages)}"
             )
-        return cls(encoder, index, passages)
+        return cls(encoder, index, passages, **search_params)
 
     def search(self, queries: Sequence[str], topk: int) -> list[SearchHits]:
-        """Cosine top-``topk`` per query (every passage scores, so always ``topk`` hits)."""
+        """Cosine top-``topk`` per query. Flat: every passage scores, so always ``topk``
+        hits; IVF / HNSW may find fewer (faiss pads with -1, dropped here)."""
         k = min(topk, len(self.passages))
-        scores, indices = self._index.search(encode(self._encoder, queries, batch_size=64), k)
-        return [
-            SearchHits(indices[i].astype(np.int64), scores[i].astype(np.float32))
-            for i in range(len(queries))
-        ]
+        if self._hnsw is not None:
+            self._hnsw.efSearch = max(self._ef_search, k)
+        texts = [self.query_prefix + q for q in queries]
+        scores, indices = self._index.search(encode(self._encoder, texts, batch_size=64), k)
+        out = []
+        for i in range(len(queries)):
+            found = indices[i] >= 0
+            out.append(
+                SearchHits(indices[i][found].astype(np.int64), scores[i][found].astype(np.float32))
+            )
+        return out
 
 
 # ------------------------------------------------------------------------------------- hybrid

@@ -161,6 +161,53 @@ def prepare_synthetic(
     typer.echo(build_synthetic(data_dir, spec, force=force).summary)
 
 
+@app.command("index")
+def index(
+    config: ConfigArgs = None,
+    force: Annotated[
+        bool, typer.Option(help="Rebuild even if an up-to-date index exists.")
+    ] = False,
+    prebuilt_faiss: Annotated[
+        Path | None,
+        typer.Option(
+            help="Adopt this faiss index (built elsewhere over the same corpus, in file order) "
+            "as the dense index and write its manifest, instead of encoding the corpus."
+        ),
+    ] = None,
+    link: Annotated[
+        bool, typer.Option(help="With --prebuilt-faiss: hard-link the file instead of copying.")
+    ] = False,
+) -> None:
+    """Build the retrieval index of ``retrieval.server`` for a Search-R1 / FlashRAG corpus
+    (``{"id", "contents": "title\\ntext"}`` per line): method, corpus_path, index_dir, dense
+    prefixes and faiss index type all come from the config, e.g.
+    ``stppo index retrieval.server.corpus_path=my/corpus.jsonl retrieval.server.index_dir=my/index``."""
+    cfg = _load(config)
+    from services.env import configure_local_caches
+
+    configure_local_caches()
+    import logging
+    from dataclasses import asdict
+
+    from retrieval_server.index import build_index, register_prebuilt_dense_index
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    server = cfg.retrieval.server
+    if prebuilt_faiss is not None and server.method != "dense":
+        _fail("--prebuilt-faiss needs retrieval.server.method = 'dense'")
+    try:
+        if prebuilt_faiss is not None:
+            reports = [register_prebuilt_dense_index(server, prebuilt_faiss, link=link)]
+        else:
+            reports = build_index(server, force=force)
+    except (ValueError, RuntimeError, OSError) as e:  # CorpusError, IndexMismatchError ...
+        _fail(f"{type(e).__name__}: {e}")
+    if not reports:
+        typer.echo(f"index in {server.index_dir} is up to date ({server.method})")
+    for report in reports:
+        typer.echo(json.dumps(asdict(report), default=str))
+
+
 @app.command("serve-retrieval")
 def serve_retrieval(config: ConfigArgs = None) -> None:
     """Serve the retrieval server (``retrieval.server`` section) in the foreground."""
