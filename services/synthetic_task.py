@@ -8,7 +8,7 @@ built from a seed, in the formats of the real assets (:mod:`services.prepare`), 
 
 - ``corpus/passages.jsonl``: one passage per record (Search-R1 ``{"id", "contents"}``,
   contents ``"<ID>"\\nRecord <ID>: the access code is <CODE>; it links to record <LINK>.``),
-  ids one capital letter and 4 digits (``K4821``), codes 4 digits, links to another record;
+  ids one capital letter and 4 digits (``K4821``), codes 3 digits, links to another record;
 - ``qa/single_hop/{train,validation,test}.jsonl``: "What is the access code of record
   K4821?" (one search: ``K4821``); ``qa/multi_hop/...``: "Record K4821 links to another
   record. What is the access code of that record?" (two searches: ``K4821``, then the
@@ -19,7 +19,8 @@ built from a seed, in the formats of the real assets (:mod:`services.prepare`), 
   first for its own id, and the records linking to it follow (distractors);
 - ``model/tiny-llama``: an ``LlamaForCausalLM`` made from scratch (random init, seeded),
   with a byte-level BPE tokenizer trained on this corpus and its prompts (digits split one
-  per token, ChatML special tokens at the SmolLM2 ids 0/1/2 and its chat template).
+  per token, ChatML special tokens at the SmolLM2 ids 0/1/2 and its chat template); every
+  record id and every code is one token of its own.
 
 Why it suits the benchmark: the warm-start SFT (:mod:`learner.sft`) teaches the format on a
 few hundred training questions; the model must copy ids and codes it has never seen, and
@@ -141,7 +142,7 @@ class SyntheticRecord:
 
 
 def make_records(num_records: int, seed: int) -> list[SyntheticRecord]:
-    """``num_records`` records with unique ids (``[A-Z][0-9]{4}``), 4-digit codes, and a
+    """``num_records`` records with unique ids (``[A-Z][0-9]{4}``), 3-digit codes, and a
     link to another record (never itself), all from ``random.Random(seed)``."""
     rng = random.Random(seed)
     ids: list[str] = []
@@ -155,7 +156,7 @@ def make_records(num_records: int, seed: int) -> list[SyntheticRecord]:
     for i, rid in enumerate(ids):
         j = rng.randrange(num_records - 1)
         link = ids[j if j < i else j + 1]
-        records.append(SyntheticRecord(rid, f"{rng.randrange(10_000):04d}", link))
+        records.append(SyntheticRecord(rid, f"{rng.randrange(1000):03d}", link))
     return records
 
 
@@ -231,10 +232,13 @@ def tokenizer_texts(
     return texts
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
+def train_tokenizer(texts: list[str], vocab_size: int, whole_words: list[str] = ()):
     """Byte-level BPE (digits one per token) with ChatML specials at ids 0-2, as a
-    ``PreTrainedTokenizerFast`` carrying :data:`CHATML_TEMPLATE`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    ``PreTrainedTokenizerFast`` carrying :data:`CHATML_TEMPLATE`. ``whole_words`` (the record
+    ids and the codes) become one token each (added tokens, matched before the BPE), so
+    the policy copies one token, not five digits: a 4-layer model trained from scratch
+    for a few hundred SFT steps learned the format but copied no id digit by digit."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -252,6 +256,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_tokens([AddedToken(w, normalized=False) for w in whole_words])
     for i, s in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(s) != i:
             raise RuntimeError(f"special token {s!r} got id {tok.token_to_id(s)}, expected {i}")
@@ -344,7 +349,8 @@ def build_synthetic(
             method="bm25", corpus_path=tmp / "corpus" / "passages.jsonl", index_dir=tmp / "index"
         )
     )
-    tokenizer = train_tokenizer(tokenizer_texts(records, qa), spec.vocab_size)
+    whole = sorted({r.rid for r in records}) + [f"{c:03d}" for c in range(1000)]
+    tokenizer = train_tokenizer(tokenizer_texts(records, qa), spec.vocab_size, whole)
     model_dir = tmp / "model" / MODEL_NAME
     tokenizer.save_pretrained(model_dir)
     num_params = build_model(spec, len(tokenizer), model_dir)

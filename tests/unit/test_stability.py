@@ -21,7 +21,7 @@ def test_records_are_seeded_unique_and_link_elsewhere():
     ids = [r.rid for r in a]
     assert len(set(ids)) == 200
     assert all(r.link != r.rid and r.link in set(ids) for r in a)
-    assert all(len(r.code) == 4 and r.code.isdigit() for r in a)
+    assert all(len(r.code) == 3 and r.code.isdigit() for r in a)
 
 
 def test_qa_answers_follow_the_corpus_and_splits_are_disjoint():
@@ -99,3 +99,18 @@ def test_cell_summaries(tmp_path: Path):
     assert ppo.token_log_ratio_max == pytest.approx(4.5)
     assert ppo.exact_staleness_share == pytest.approx(9 / 10)
     assert st.clip_bias_scale_min == pytest.approx(0.9)
+
+
+def test_tokenizer_ids_and_codes_are_single_tokens_and_round_trip():
+    from services.synthetic_task import SPECIAL_TOKENS, tokenizer_texts, train_tokenizer
+
+    records = make_records(40, seed=1)
+    whole = [r.rid for r in records] + [f"{c:03d}" for c in range(1000)]
+    tok = train_tokenizer(tokenizer_texts(records, qa_records(records, 1)), 400, whole)
+    assert [tok.convert_ids_to_tokens(i) for i in range(3)] == list(SPECIAL_TOKENS)
+    r = records[0]
+    text = f"<search> {r.rid} </search>\n{r.text}"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert pieces.count(r.rid) == 2 and r.code in pieces and r.link in pieces
