@@ -64,7 +64,11 @@ def read_wandb_history(path: Path) -> list[dict[str, float]]:
 
 
 def mlflow_run(tracking_dir: Path):
+    import os
+
     from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: file store opt-in
 
     client = MlflowClient(tracking_uri=(tracking_dir / "mlruns").resolve().as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("st-ppo").experiment_id])
