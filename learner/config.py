@@ -248,7 +248,15 @@ class LearnerConfig(StrictModel):
     """The DeepSpeed learner: engines, optimisation, the off-policy inner loop."""
 
     zero_stage: Literal[0, 1, 2, 3] = 2
-    """DeepSpeed ZeRO stage for policy and critic (``bias_norm=param`` needs <= 2)."""
+    """DeepSpeed ZeRO stage for policy and critic (``bias_norm=param`` needs <= 2). At 3 the
+    frozen reference is sharded too; below 3 every rank holds a full replica of it."""
+
+    num_ranks: int = Field(1, ge=1, le=1024)
+    """Data-parallel learner ranks (Ray actors in one placement group, one
+    ``torch.distributed`` group: gloo on CPU, nccl on CUDA). Each optimizer step's
+    trajectories are split across ranks by token count; ``micro_batch_size`` counts
+    trajectories per forward on one rank. Results match one rank (see README, "Learner on N
+    ranks"); a checkpoint resumes only with the same ``num_ranks`` and ``zero_stage``."""
 
     dtype: Literal["bf16", "fp32"] = "bf16"
     """Training precision (fp16 is not supported by DeepSpeed on CPU)."""

@@ -1,4 +1,5 @@
-"""Single-process ``torch.distributed`` setup for DeepSpeed on CPU.
+"""``torch.distributed`` setup for DeepSpeed (one process, or one rank of a learner group),
+and the split of a batch across ranks.
 
 DeepSpeed needs a process group even with one process. Without the rendezvous variables it
 falls back to MPI discovery (``mpi4py`` is not installed) and fails, so
@@ -9,13 +10,21 @@ MASTER_ADDR=127.0.0.1 MASTER_PORT=<free port>`` unless a launcher (``torchrun``,
 
 It also calls :func:`services.env.configure_local_caches` first, so ``TORCH_EXTENSIONS_DIR``
 points at the project cache and the ~40 s JIT build of ``deepspeed_shm_comm`` happens once.
+
+A learner group (``learner.num_ranks > 1``, ``services/learner_group.py``) calls
+:func:`init_rank_distributed` in each rank's process first, with the rendezvous address
+rank 0 published; the learner's own call to :func:`init_single_process_distributed` then
+finds the group initialised and only reports it. :func:`balanced_shards` splits trajectories
+across ranks by token count.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 from services.env import configure_local_caches
 
@@ -41,11 +50,103 @@ _SELF_INIT_ENV = "STPPO_SELF_INIT_DISTRIBUTED"
 """Set to ``1`` when :func:`init_single_process_distributed` chose ``MASTER_PORT`` itself."""
 
 
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def init_rank_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+) -> DistributedInfo:
+    """Join rank ``rank`` of a ``world_size``-process group at ``master_addr:master_port``.
+
+    Sets ``RANK WORLD_SIZE MASTER_ADDR MASTER_PORT`` (overriding inherited values) and
+    ``LOCAL_RANK=0`` (each rank is its own Ray actor, which sees only its own GPU as
+    ``cuda:0``), then ``deepspeed.init_distributed``. Every rank must call it with the same
+    address; it returns once all ``world_size`` ranks joined (TCP store on rank 0).
+
+    Args:
+        rank: this process's rank, 0 <= rank < world_size.
+        world_size: number of ranks.
+        master_addr, master_port: rank 0's rendezvous address.
+        backend: ``gloo`` (CPU) or ``nccl`` (GPU).
+        timeout_s: collective timeout (seconds); a rank that stops answering fails the
+            others' collectives after this long instead of hanging them forever.
+
+    Raises:
+        ValueError: bad rank / world size / backend, or a group already initialised with
+            another size.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside a group of {world_size}")
+    configure_local_caches()
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise ValueError(
+                f"this process already joined rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, asked for rank {rank} of {world_size}"
+            )
+    else:
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+            }
+        )
+        os.environ.pop(_SELF_INIT_ENV, None)
+        deepspeed.init_distributed(
+            dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s)
+        )
+    return DistributedInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        backend=dist.get_backend(),
+        master_port=int(os.environ["MASTER_PORT"]),
+    )
+
+
+def balanced_shards(rows: Sequence[int], tokens: Sequence[int], world_size: int) -> list[list[int]]:
+    """Split ``rows`` (whole trajectories) across ``world_size`` ranks, balanced by tokens.
+
+    Greedy longest-first: rows in decreasing token count (ties: earlier row first) each go
+    to the rank with the fewest tokens so far (ties: lower rank); each shard keeps the
+    order of ``rows``. Deterministic, so every rank computes the same split locally. With
+    one rank the single shard is ``rows`` itself.
+
+    Args:
+        rows: row indices, in the order they are to be trained.
+        tokens: token count of each row, aligned with ``rows``.
+        world_size: number of ranks (>= 1).
+
+    Returns:
+        ``world_size`` lists of row indices (some empty when there are fewer rows).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if len(rows) != len(tokens):
+        raise ValueError(f"{len(rows)} rows but {len(tokens)} token counts")
+    loads = [0] * world_size
+    owner: dict[int, int] = {}
+    for position in sorted(range(len(rows)), key=lambda i: (-int(tokens[i]), i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[rank] += int(tokens[position])
+        owner[position] = rank
+    return [[rows[i] for i in range(len(rows)) if owner[i] == r] for r in range(world_size)]
 
 
 def init_single_process_distributed(backend: str = "gloo") -> DistributedInfo:

@@ -29,6 +29,21 @@ One :meth:`Learner.step` (spec sections 2-4) is a sequence of named stages:
    rate (``scale_target = update``) or its policy loss (``loss``).
 5. ``policy_version += 1``; metrics.
 
+Data parallel (``num_ranks`` > 1; one learner per rank, ``services/learner_group.py``):
+every rank receives the whole batch and selects, collates, shuffles and cuts mini-batches
+identically, so the quantities the loss defines over the batch (the token-mean denominator,
+advantage whitening, GRPO group statistics, behaviour weights) are computed over the whole
+batch on every rank. The forwards and backwards are split: each stage's rows (the batch for
+the no-grad prepare, each mini-batch for its optimizer step) go to ranks by whole
+trajectories, balanced by token count (:func:`learner.distributed.balanced_shards`), and
+``micro_batch_size`` counts trajectories per forward on one rank. The prepare outputs are
+all-gathered; gradients are all-reduced by DeepSpeed (the loss is multiplied by the world
+size, since DeepSpeed averages over ranks and the global denominators already make it a
+sum); ``||C||^2`` and the clipped flag are all-reduced before the step, so one ``||C||`` and
+one ``s`` hold on every rank; metrics are token-weighted sums all-reduced once per learner
+step. A rank with fewer micro-batches than another runs padding micro-batches (a real row,
+loss times 0), so every rank runs the same forwards: ZeRO-3 gathers parameters in each.
+
 Non-finite guard: a micro-batch whose loss is NaN/inf poisons that engine's gradients with
 NaN, so DeepSpeed's overflow check (ZeRO >= 1, or bf16) skips the optimizer step and clears
 them; fp32 ZeRO-0 has no such check, so the learner checks the gradient norm itself and
@@ -74,7 +89,7 @@ from learner.config import (
     uses_critic,
     uses_turn_ratio,
 )
-from learner.distributed import init_single_process_distributed
+from learner.distributed import balanced_shards, init_single_process_distributed
 from learner.modeling import ValueModel, response_logits, token_logprobs
 from learner.sft import WarmStartReport, run_warm_start
 
@@ -235,13 +250,86 @@ class _StepAccumulator:
     critic_skipped: int = 0
     grad_norms: list[float] = field(default_factory=list)
     critic_grad_norms: list[float] = field(default_factory=list)
-    logprob_gaps: list[float] = field(default_factory=list)
+    gap_sum: float = 0.0
+    gap_count: float = 0.0
+    gap_replicated: bool = False
     behavior: dict[str, float] = field(default_factory=dict)
     token_log_ratio_abs_max: float = 0.0
 
+    def add_micro(self, metrics: Mapping[str, float], num_tokens: float, num_turns: float) -> None:
+        """Token-weighted sums of one micro-batch's masked-mean metrics (turn-weighted for
+        ``clip_ratio_turn``): the step's value is the mean over all its tokens, whatever the
+        micro-batches and ranks were."""
+        for name in _TOKEN_METRICS:
+            weight = num_turns if name == "clip_ratio_turn" else num_tokens
+            self.micro[name].append(metrics[name] * weight)
+        self.micro["_tokens"].append(num_tokens)
+        self.micro["_turns"].append(num_turns)
+
+    def reduce(self, world_size: int) -> None:
+        """All-reduce the rank-local sums (no-op on one rank): afterwards ``micro`` holds the
+        global sums, ``mini`` the global per-optimizer-step losses, and the maxima and the
+        log-prob gap are global. Every rank calls it once per step, in the same order."""
+        names = [*_TOKEN_METRICS, "_tokens", "_turns"]
+        local = [sum(self.micro[n]) for n in names]
+        local += [v for n in _SUMMED_UPDATE_METRICS for v in self.mini[n]]
+        local += [0.0, 0.0] if self.gap_replicated else [self.gap_sum, self.gap_count]
+        sums = _all_reduce(local, world_size, "sum")
+        for i, n in enumerate(names):
+            self.micro[n] = [sums[i]]
+        i = len(names)
+        for n in _SUMMED_UPDATE_METRICS:
+            k = len(self.mini[n])
+            self.mini[n] = sums[i : i + k]
+            i += k
+        if not self.gap_replicated:
+            self.gap_sum, self.gap_count = sums[i], sums[i + 1]
+        (self.token_log_ratio_abs_max,) = _all_reduce(
+            [self.token_log_ratio_abs_max], world_size, "max"
+        )
+
     def mean(self, name: str, default: float = 0.0) -> float:
-        values = self.mini[name] if name in _PER_UPDATE_METRICS else self.micro[name]
-        return float(sum(values) / len(values)) if values else default
+        if name in _PER_UPDATE_METRICS:
+            values = self.mini[name]
+            return float(sum(values) / len(values)) if values else default
+        weight = sum(self.micro["_turns" if name == "clip_ratio_turn" else "_tokens"])
+        return float(sum(self.micro[name]) / weight) if weight > 0 else default
+
+
+_TOKEN_METRICS = (
+    "clip_ratio", "clip_ratio_turn", "approx_kl", "kl_ref", "entropy", "clip_ratio_dual",
+    "token_bound_ratio",
+)  # fmt: skip
+"""Exported micro-batch metrics that are masked means over policy tokens (turns for
+``clip_ratio_turn``); summed with token weights, so their step value is partition-free."""
+
+_SUMMED_UPDATE_METRICS = ("pg_loss", "value_loss")
+"""Per-optimizer-step losses whose micro-batch terms (global denominators) add up across
+micro-batches and ranks."""
+
+
+def _all_reduce(values: Sequence[float], world_size: int, op: str) -> list[float]:
+    """Element-wise sum or max of ``values`` over all ranks (float64; identity on one rank).
+    On NCCL the tensor travels on the current CUDA device."""
+    if world_size == 1:
+        return [float(v) for v in values]
+    import torch.distributed as dist
+
+    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return [float(v) for v in tensor.cpu()]
+
+
+def _all_gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """``obj`` of every rank, by rank (``[obj]`` on one rank)."""
+    if world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 @contextlib.contextmanager
@@ -286,6 +374,10 @@ def deepspeed_config(config: LearnerConfig, lr: float, *, with_optimizer: bool) 
         "wall_clock_breakdown": False,
     }
     if not with_optimizer:
+        if config.zero_stage == 3:  # the frozen reference is sharded like the policy
+            ds["zero_optimization"] = {"stage": 3}
+            ds["bf16"] = {"enabled": config.dtype == "bf16"}
+            return ds
         ds["zero_optimization"] = {"stage": 0}
         ds["bf16"] = {"enabled": False}  # weights are already bf16; no optimizer wrapper
         return ds
@@ -312,10 +404,6 @@ def _pad_columns(x: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
-def _chunks(n: int, size: int) -> list[list[int]]:
-    return [list(range(s, min(s + size, n))) for s in range(0, n, size)]
-
-
 def _scalar(x: Tensor | float | None) -> float:
     if x is None:
         return float("nan")
@@ -335,8 +423,13 @@ class Learner:
         temperature: sampling temperature of the rollout engines; learner logits are divided
             by it so ratios compare like with like.
 
+    With ``config.num_ranks`` > 1 every rank constructs its own :class:`Learner` inside a
+    process group of that size (``services.learner_group.LearnerGroup`` does this) and every
+    method is called on every rank with the same arguments, in the same order.
+
     Raises:
-        ValueError: ``bias_norm = param`` with ZeRO stage 3; temperature <= 0.
+        ValueError: ``bias_norm = param`` with ZeRO stage 3; temperature <= 0; a process
+            group whose size is not ``config.num_ranks``.
 
     Example::
 
@@ -356,7 +449,13 @@ class Learner:
     ) -> None:
         if temperature <= 0.0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        init_single_process_distributed("nccl" if torch.cuda.is_available() else "gloo")
+        info = init_single_process_distributed("nccl" if torch.cuda.is_available() else "gloo")
+        if info.world_size != config.num_ranks:
+            raise ValueError(
+                f"learner.num_ranks = {config.num_ranks} but this process is rank {info.rank} "
+                f"of a group of {info.world_size} (start ranks with services.learner_group)"
+            )
+        self.rank, self.world_size = info.rank, info.world_size
         import deepspeed
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -444,6 +543,31 @@ class Learner:
             "critic_lr": float(self.critic_engine.optimizer.param_groups[0]["lr"]),
         }
 
+    # ------------------------------------------------------------------ data parallel
+
+    def _micro_plan(
+        self, batch: TrainingBatch, rows: Sequence[int]
+    ) -> list[tuple[list[int], bool]]:
+        """This rank's micro-batches over ``rows`` of ``batch``: ``(rows, real)`` pairs.
+
+        ``rows`` go to ranks by :func:`balanced_shards` (token counts = real tokens per
+        row), each shard is cut in ``micro_batch_size`` chunks, and a rank with fewer
+        chunks than the busiest rank gets padding chunks (``real = False``: ``rows[:1]``,
+        to be run with weight 0), so every rank runs the same number of forwards.
+        """
+        rows = [int(r) for r in rows]
+        size = self.config.micro_batch_size
+        if self.world_size == 1:
+            return [
+                (chunk, True) for chunk in (rows[s : s + size] for s in range(0, len(rows), size))
+            ]
+        tokens = batch.attention_mask.sum(dim=1)
+        shards = balanced_shards(rows, [int(tokens[r]) for r in rows], self.world_size)
+        count = max(math.ceil(len(shard) / size) for shard in shards)
+        mine = shards[self.rank]
+        plan = [(mine[s : s + size], True) for s in range(0, len(mine), size)]
+        return plan + [(rows[:1], False)] * (count - len(plan))
+
     # ------------------------------------------------------------------ step
 
     def step(self, trajectories: Sequence[Trajectory]) -> StepMetrics:
@@ -501,18 +625,30 @@ class Learner:
     def _prepare(self, batch: TrainingBatch, algorithm: BaseModel, acc: _StepAccumulator) -> None:
         width = batch.response_ids.shape[1]
         decoupled = algorithm.off_policy == "decoupled"
-        ref, old_values, proximal = [], [], []
-        for rows in _chunks(batch.batch_size, self.config.micro_batch_size):
+        outputs: dict[str, dict[int, Tensor]] = defaultdict(dict)
+        for rows, real in self._micro_plan(batch, range(batch.batch_size)):
             micro = batch.select(rows).to(self.device)
-            ref.append(_pad_columns(self._logprobs(self.reference_engine, micro).cpu(), width))
+            computed = {"ref": self._logprobs(self.reference_engine, micro)}
             if uses_critic(algorithm):
-                old_values.append(_pad_columns(self._values(micro).cpu(), width))
+                computed["values"] = self._values(micro)
             if decoupled:
-                logprobs = self._logprobs(self.policy_engine, micro).cpu()
-                proximal.append(_pad_columns(logprobs, width))
-        batch.ref_logprobs = torch.cat(ref)
+                computed["proximal"] = self._logprobs(self.policy_engine, micro)
+            if not real:
+                continue  # padding forward (keeps ZeRO-3's gathers in step); result unused
+            for name, value in computed.items():
+                padded = _pad_columns(value.cpu(), width)
+                outputs[name].update((r, padded[i].clone()) for i, r in enumerate(rows))
+        if self.world_size > 1:  # every rank needs every row (whole-batch advantages)
+            for part in _all_gather_objects(dict(outputs), self.world_size):
+                for name, by_row in part.items():
+                    outputs[name].update(by_row)
+
+        def stacked(name: str) -> Tensor:
+            return torch.stack([outputs[name][r] for r in range(batch.batch_size)])
+
+        batch.ref_logprobs = stacked("ref")
         if decoupled:
-            batch.old_logprobs = torch.cat(proximal)
+            batch.old_logprobs = stacked("proximal")
             weights = losses.behavior_importance_weights(
                 batch.old_logprobs,
                 batch.behavior_logprobs,
@@ -525,10 +661,11 @@ class Learner:
             batch.behavior_weights = weights.weights
             acc.behavior = {name: _scalar(value) for name, value in weights.metrics.items()}
             self._record_logprob_gap(batch, batch.old_logprobs, acc)
+            acc.gap_replicated = True  # the whole batch, identical on every rank
         else:
             batch.old_logprobs = batch.behavior_logprobs
         if uses_critic(algorithm):
-            batch.old_values = torch.cat(old_values) * batch.loss_mask
+            batch.old_values = stacked("values") * batch.loss_mask
         self._compute_advantages(batch, algorithm)
 
     def _record_logprob_gap(
@@ -542,7 +679,8 @@ class Learner:
         if not bool(mask.any()):
             return
         gap = (batch.behavior_logprobs - learner_logprobs.to(mask.device)).abs()
-        acc.logprob_gaps.append(_scalar(losses.masked_mean(gap, mask)))
+        acc.gap_sum += _scalar((gap * mask).sum())
+        acc.gap_count += _scalar(mask.sum())
 
     def _logprobs(self, engine: Any, micro: TrainingBatch) -> Tensor:
         logits = response_logits(engine, micro, self.temperature)
@@ -593,6 +731,7 @@ class Learner:
                 rows = order[start : start + self.config.mini_batch_size]
                 on_policy = epoch == 0 and start == 0
                 self._train_mini_batch(batch.select(rows), algorithm, acc, on_policy)
+        acc.reduce(self.world_size)
 
     def _agg_denominator(self, mini: TrainingBatch, algorithm: BaseModel) -> float:
         per_sequence = mini.loss_mask.sum(dim=1)
@@ -614,41 +753,54 @@ class Learner:
         denominator = self._agg_denominator(mini, algorithm)
         kwargs = self._policy_loss_kwargs(algorithm)
         bias = uses_bias_correction(algorithm)
+        plan = self._micro_plan(mini, range(mini.batch_size))
         norm: Tensor | None = None
         any_clipped = False
         if bias and (algorithm.bias_norm == "param" or algorithm.scale_target == "loss"):
-            norm, any_clipped = self._mini_batch_clip_bias(mini, algorithm, denominator, kwargs)
+            norm, any_clipped = self._mini_batch_clip_bias(
+                mini, plan, algorithm, denominator, kwargs
+            )
         loss_scale = 1.0
         if norm is not None and algorithm.scale_target == "loss":
             loss_scale = self._bias_scale(norm, any_clipped, algorithm)
         sums: dict[str, float] = defaultdict(float)
         policy_finite, critic_finite = True, True
-        for rows in _chunks(mini.batch_size, self.config.micro_batch_size):
+        for rows, real in plan:
             micro = mini.select(rows).to(self.device)
+            # DeepSpeed averages gradients over ranks; the global denominators make the
+            # wanted gradient their sum. Padding micro-batches contribute nothing.
+            weight = float(self.world_size) if real else 0.0
             metrics = self._policy_backward(
-                micro, algorithm, denominator, on_policy, acc, kwargs, loss_scale
+                micro, algorithm, denominator, on_policy and real, acc, kwargs, loss_scale, weight
             )
             policy_finite &= math.isfinite(metrics["loss"])
             if uses_critic(algorithm):
-                value_metrics = self._critic_backward(micro, algorithm, denominator)
+                value_metrics = self._critic_backward(micro, algorithm, denominator, weight)
                 critic_finite &= math.isfinite(value_metrics["loss"])
-                sums["value_loss"] += value_metrics["value_loss"]
+                if real:
+                    sums["value_loss"] += value_metrics["value_loss"]
+            if not real:
+                continue
             sums["pg_loss"] += metrics.pop("pg_loss")
             sums["clip_bias_norm_sq"] += metrics.pop("clip_bias_norm_sq")
             any_clipped |= metrics["clip_ratio"] > 0.0
             acc.token_log_ratio_abs_max = max(
                 acc.token_log_ratio_abs_max, metrics.pop("token_log_ratio_abs_max")
             )
-            for name, value in metrics.items():
-                acc.micro[name].append(value)
-        summed_norm_sq = sums.pop("clip_bias_norm_sq")
-        if norm is None:  # no pre-pass: the micro-batches' squared norms add up
+            acc.add_micro(metrics, metrics["num_tokens"], metrics["num_turns"])
+        summed_norm_sq = sums.pop("clip_bias_norm_sq", 0.0)
+        if norm is None:  # no pre-pass: the micro-batches' squared norms add up (all ranks)
+            summed_norm_sq, clipped = _all_reduce(
+                [summed_norm_sq, float(any_clipped)], self.world_size, "sum"
+            )
+            any_clipped = clipped > 0.0
             norm = torch.tensor(math.sqrt(max(summed_norm_sq, 0.0)))
         scale = self._bias_scale(norm, any_clipped, algorithm) if bias else 1.0
         sums["clip_bias_norm"] = _scalar(norm)
         sums["clip_bias_scale"] = scale
-        for name, value in sums.items():
-            acc.mini[name].append(value)
+        for name in ("pg_loss", "value_loss", "clip_bias_norm", "clip_bias_scale"):
+            if name in sums or name == "pg_loss" or uses_critic(algorithm):
+                acc.mini[name].append(sums.get(name, 0.0))
         lr_scale = scale if bias and algorithm.scale_target == "update" else 1.0
         with _scaled_learning_rate(self.policy_engine.optimizer, lr_scale):
             applied, grad_norm = self._optimizer_step(self.policy_engine, policy_finite)
@@ -687,11 +839,14 @@ class Learner:
         acc: _StepAccumulator,
         kwargs: dict[str, Any],
         loss_scale: float,
+        weight: float = 1.0,
     ) -> dict[str, float]:
         """Forward, loss and backward of one policy micro-batch; returns float metrics.
 
         ``loss = loss_scale * L_pg (+ KL loss) (- entropy bonus)``: ``loss_scale`` is the
-        clipping-bias scale with ``scale_target = loss``, else 1.
+        clipping-bias scale with ``scale_target = loss``, else 1. The backward runs on
+        ``weight * loss`` (the world size, or 0 for a padding micro-batch); the metrics
+        describe the unweighted loss.
         """
         logits = response_logits(self.policy_engine, micro, self.temperature)
         logprobs = token_logprobs(logits, micro.response_ids)
@@ -720,12 +875,13 @@ class Learner:
             loss = loss + algorithm.kl_coef * (weights * kl_ref).sum()
         if algorithm.entropy_coef > 0.0:
             loss = loss - algorithm.entropy_coef * (weights * entropy).sum()
-        self._backward(self.policy_engine, loss, logprobs)
+        self._backward(self.policy_engine, loss * weight if weight != 1.0 else loss, logprobs)
         with torch.no_grad():
             metrics = {name: _scalar(value) for name, value in out.metrics.items()}
             metrics["kl_ref"] = _scalar(losses.masked_mean(kl_ref.detach(), mask))
             metrics["entropy"] = _scalar(losses.masked_mean(entropy.detach(), mask))
             metrics["loss"] = _scalar(loss)
+            metrics["num_tokens"] = _scalar(mask.sum())
         for name in ("clip_bias_norm", "clip_bias_scale"):  # per optimizer step, not micro
             metrics.pop(name)
         return metrics
@@ -745,19 +901,28 @@ class Learner:
         }
 
     def _mini_batch_clip_bias(
-        self, mini: TrainingBatch, algorithm: BaseModel, denominator: float, kwargs: dict
+        self,
+        mini: TrainingBatch,
+        plan: list[tuple[list[int], bool]],
+        algorithm: BaseModel,
+        denominator: float,
+        kwargs: dict,
     ) -> tuple[Tensor, bool]:
         """(||C|| of the whole mini-batch, whether any token is clipped), before any backward.
 
-        ``logprob``: one no-grad policy forward per micro-batch, closed-form squared norms
-        summed. ``param``: one extra forward + backward per micro-batch through detached
-        parameter aliases, gradient vectors summed, then the norm.
+        ``logprob``: one no-grad policy forward per micro-batch of ``plan``, closed-form
+        squared norms summed. ``param``: one extra forward + backward per micro-batch
+        through detached parameter aliases, gradient vectors summed, then the norm. On N
+        ranks the squared norms (``logprob``) or the gradient vectors (``param``) and the
+        clipped flag are all-reduced, so every rank gets the same global value.
         """
         param = algorithm.bias_norm == "param"
         norm_sq = torch.zeros((), dtype=torch.float64)
         grad_sum: list[Tensor] | None = None
         any_clipped = False
-        for rows in _chunks(mini.batch_size, self.config.micro_batch_size):
+        for rows, real in plan:
+            if param and not real:
+                continue  # ZeRO <= 2: no collective in this forward, nothing to keep in step
             micro = mini.select(rows).to(self.device)
             inputs = (micro.old_logprobs, micro.advantages, micro.loss_mask, micro.turn_ids)
             options = {
@@ -777,11 +942,27 @@ class Learner:
             with torch.no_grad():
                 logprobs = self._logprobs(self.policy_engine, micro)
                 out = losses.compute_policy_loss(logprobs, *inputs, **options)
+            if not real:
+                continue
             norm_sq += out.metrics["clip_bias_norm_sq"].double().cpu()
             any_clipped |= bool(out.metrics["clip_ratio"] > 0)
+        if param and self.world_size > 1:
+            import torch.distributed as dist
+
+            params = [p for p in self.policy_engine.module.parameters() if p.requires_grad]
+            if grad_sum is None:  # this rank had no row
+                grad_sum = [torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1).double() for g in grad_sum])
+            dist.all_reduce(flat)
+            grad_sum = [flat]
         if grad_sum is not None:
             norm_sq = torch.stack([g.double().square().sum() for g in grad_sum]).sum().cpu()
-        return norm_sq.sqrt().float(), any_clipped
+        norm_sq_global, clipped = _all_reduce(
+            [0.0 if param else float(norm_sq), float(any_clipped)], self.world_size, "sum"
+        )
+        if not param:
+            norm_sq = torch.tensor(norm_sq_global, dtype=torch.float64)
+        return norm_sq.sqrt().float(), clipped > 0.0
 
     def _param_clip_bias_grad(
         self, micro: TrainingBatch, options: dict
@@ -834,7 +1015,7 @@ class Learner:
         return dense, bool(clipped.metrics["clip_ratio"] > 0)
 
     def _critic_backward(
-        self, micro: TrainingBatch, algorithm: BaseModel, denominator: float
+        self, micro: TrainingBatch, algorithm: BaseModel, denominator: float, weight: float = 1.0
     ) -> dict[str, float]:
         values = self._values(micro)
         out = losses.compute_value_loss(
@@ -847,7 +1028,7 @@ class Learner:
             agg_denominator=denominator,
         )
         loss = algorithm.value_loss_coef * out.loss
-        self._backward(self.critic_engine, loss, values)
+        self._backward(self.critic_engine, loss * weight if weight != 1.0 else loss, values)
         metrics = {name: _scalar(value) for name, value in out.metrics.items()}
         metrics["loss"] = _scalar(loss)
         return metrics
@@ -867,6 +1048,15 @@ class Learner:
             # fp32 ZeRO-0: a plain torch optimizer, which would write NaN weights.
             grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
             norm = _scalar(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+            if self.world_size > 1:  # gradients are reduced inside step(): agree first
+                (bad,) = _all_reduce(
+                    [float(not (loss_finite and math.isfinite(norm)))], self.world_size, "max"
+                )
+                if bad > 0.0:
+                    engine.zero_grad()
+                    return False, float("nan")
+                engine.step()
+                return True, _scalar(engine.get_global_grad_norm())
             if not (loss_finite and math.isfinite(norm)):
                 engine.zero_grad()
                 return False, norm
@@ -893,15 +1083,18 @@ class Learner:
         batch = collate_trajectories(list(trajectories), self.pad_token_id)
         denominator = float(batch.num_policy_tokens)
         total, finite = 0.0, True
-        for rows in _chunks(batch.batch_size, self.config.micro_batch_size):
+        for rows, real in self._micro_plan(batch, range(batch.batch_size)):
             micro = batch.select(rows).to(self.device)
             logits = response_logits(self.policy_engine, micro, self.temperature)
             logprobs = token_logprobs(logits, micro.response_ids)
             del logits
             loss = -(logprobs * micro.loss_mask).sum() / denominator
-            self._backward(self.policy_engine, loss, logprobs)
-            total += _scalar(loss)
-            finite &= math.isfinite(_scalar(loss))
+            weight = float(self.world_size) if real else 0.0
+            self._backward(self.policy_engine, loss * weight if weight != 1.0 else loss, logprobs)
+            if real:
+                total += _scalar(loss)
+                finite &= math.isfinite(_scalar(loss))
+        (total,) = _all_reduce([total], self.world_size, "sum")
         applied, grad_norm = self._optimizer_step(self.policy_engine, finite)
         if not applied:
             self.nonfinite_steps_total += 1
@@ -931,7 +1124,8 @@ class Learner:
         """Copy the current policy weights into the frozen reference (``kl_ref`` is measured
         against these from now on); :meth:`save_checkpoint` then saves the reference too.
         """
-        self.reference_engine.module.load_state_dict(self.export_weights().state_dict)
+        state = self._module_state(self.policy_engine.module, keep=True)
+        self._load_module_state(self.reference_engine.module, state)
         self.reference_version = self.policy_version
 
     # ------------------------------------------------------------------ metrics
@@ -988,7 +1182,7 @@ class Learner:
             advantage_std=float(advantages.std()) if advantages.numel() > 1 else 0.0,
             tokens_per_s=batch.num_tokens * self.config.ppo_epochs / step_s,
             step_s=step_s,
-            train_logprob_gap=mean_or_nan(acc.logprob_gaps) if acc.logprob_gaps else None,
+            train_logprob_gap=acc.gap_sum / acc.gap_count if acc.gap_count > 0 else None,
             staleness=staleness,
         )
 
@@ -999,24 +1193,49 @@ class Learner:
 
         Clones own their memory (shipping views of DeepSpeed buffers through the Ray object
         store kept those buffers alive: a learner grew to 21 GB). Under ZeRO-3 the
-        partitioned parameters are gathered first. Tied parameters (SmolLM2's embedding and
-        LM head) map to one shared clone, so ``load_state_dict`` of a fresh HF model works.
+        partitioned parameters are gathered first (a collective: every rank calls this).
+        Tied parameters (SmolLM2's embedding and LM head) map to one shared clone, so
+        ``load_state_dict`` of a fresh HF model works. On N ranks only rank 0 returns the
+        weights; the other ranks return an empty dict (and the same version).
         """
-        module = self.policy_engine.module
+        state = self._module_state(self.policy_engine.module, self.rank == 0)
+        return WeightsExport(state_dict=state, policy_version=self.policy_version)
+
+    def _module_state(self, module: torch.nn.Module, keep: bool) -> dict[str, Tensor]:
+        """Full CPU clones of ``module``'s state dict where ``keep``, else ``{}``; gathers
+        ZeRO-3 partitions first (collective)."""
         state: dict[str, Tensor] = {}
         clones: dict[int, Tensor] = {}
         with self._gathered(module):
+            if not keep:
+                return state
             for name, tensor in module.state_dict().items():
                 key = tensor.data_ptr()
                 if key not in clones:
                     clones[key] = tensor.detach().to("cpu", copy=True).contiguous()
                 state[name] = clones[key]
-        return WeightsExport(state_dict=state, policy_version=self.policy_version)
+        return state
+
+    def _load_module_state(self, module: torch.nn.Module, state: dict[str, Tensor]) -> None:
+        """``module.load_state_dict(state)``; under ZeRO-3 inside a gather whose changes
+        rank 0 re-partitions (collective: every rank calls it, ``state`` needed on rank 0)."""
+        if not self._zero3(module):
+            module.load_state_dict(state)
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+            if self.rank == 0:
+                module.load_state_dict(state)
+
+    @staticmethod
+    def _zero3(module: torch.nn.Module) -> bool:
+        return any(hasattr(p, "ds_id") for p in module.parameters())
 
     def _gathered(self, module: torch.nn.Module) -> Any:
         import contextlib
 
-        if self.config.zero_stage != 3:
+        if not self._zero3(module):
             return contextlib.nullcontext()
         import deepspeed
 
@@ -1029,6 +1248,10 @@ class Learner:
         Layout: ``policy/`` and ``critic/`` (DeepSpeed checkpoints), ``learner_state.json``,
         ``hf_policy/``, and ``hf_reference/`` when the reference is no longer the base model
         (:meth:`reset_reference_to_policy`). Returns ``directory``.
+
+        On N ranks every rank calls it with the same (shared) ``directory``: DeepSpeed writes
+        each rank's optimizer partition, rank 0 the gathered HF folders and
+        ``learner_state.json`` (which records ``num_ranks`` and ``zero_stage``).
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -1041,29 +1264,60 @@ class Learner:
             "nonfinite_steps_total": self.nonfinite_steps_total,
             "algorithm": self.algorithm.model_dump(),
             "tag": tag,
+            "num_ranks": self.world_size,
+            "zero_stage": self.config.zero_stage,
         }
-        hf_dir = directory / "hf_policy"
         export = self.export_weights()
-        self.policy_engine.module.save_pretrained(hf_dir, state_dict=export.state_dict)
-        self.tokenizer.save_pretrained(hf_dir)
+        reference = None
         if self.reference_version is not None:  # not the base model: it cannot be reloaded
-            self.reference_engine.module.save_pretrained(directory / "hf_reference")
-        state["reference_version"] = self.reference_version
-        (directory / "learner_state.json").write_text(json.dumps(state, indent=2))
+            reference = self._module_state(self.reference_engine.module, self.rank == 0)
+        if self.rank == 0:
+            hf_dir = directory / "hf_policy"
+            self.policy_engine.module.save_pretrained(hf_dir, state_dict=export.state_dict)
+            self.tokenizer.save_pretrained(hf_dir)
+            if reference is not None:
+                self.reference_engine.module.save_pretrained(
+                    directory / "hf_reference", state_dict=reference
+                )
+            state["reference_version"] = self.reference_version
+            (directory / "learner_state.json").write_text(json.dumps(state, indent=2))
+        self._barrier()
         return directory
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore what :meth:`save_checkpoint` wrote (weights, optimizer states, step,
         version, algorithm).
 
+        Resuming needs the ``num_ranks`` and ``zero_stage`` the checkpoint was written with
+        (DeepSpeed stores one optimizer partition per rank); another value fails here,
+        before anything is loaded. Checkpoints older than these fields count as 1 rank.
+
         Raises:
             FileNotFoundError: ``learner_state.json`` or a DeepSpeed checkpoint is missing.
+            ValueError: the checkpoint was written with another ``num_ranks`` or
+                ``zero_stage``.
         """
         directory = Path(directory)
         state_path = directory / "learner_state.json"
         if not state_path.exists():
             raise FileNotFoundError(f"{state_path} not found: not a learner checkpoint")
         state = json.loads(state_path.read_text())
+        saved_ranks = int(state.get("num_ranks", 1))
+        saved_stage = state.get("zero_stage", self.config.zero_stage)
+        if saved_ranks != self.world_size or saved_stage != self.config.zero_stage:
+            raise ValueError(
+                f"{directory} was written with learner.num_ranks = {saved_ranks}, "
+                f"learner.zero_stage = {saved_stage}; this run has num_ranks = "
+                f"{self.world_size}, zero_stage = {self.config.zero_stage}. Resume with the "
+                "same values (the optimizer state is partitioned per rank), or start a new "
+                "run from its hf_policy/ folder (model.path)"
+            )
         for name, engine in (("policy", self.policy_engine), ("critic", self.critic_engine)):
             path, _ = engine.load_checkpoint(str(directory / name), tag=state["tag"])
             if path is None:
@@ -1077,7 +1331,7 @@ class Learner:
             saved = AutoModelForCausalLM.from_pretrained(
                 directory / "hf_reference", dtype=self.reference_engine.module.dtype
             )
-            self.reference_engine.module.load_state_dict(saved.state_dict())
+            self._load_module_state(self.reference_engine.module, saved.state_dict())
         self.reference_version = reference_version
         self.global_step = int(state["global_step"])
         self.policy_version = int(state["policy_version"])

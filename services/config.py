@@ -232,10 +232,10 @@ class RayConfig(StrictModel):
     """GPUs reserved per rollout actor."""
 
     learner_cpus: float = Field(1.0, gt=0.0)
-    """CPUs reserved for the learner actor."""
+    """CPUs reserved per learner rank (one placement-group bundle each)."""
 
     learner_gpus: float = Field(0.0, ge=0.0)
-    """GPUs reserved for the learner actor."""
+    """GPUs reserved per learner rank (1 on GPU nodes: ``learner.num_ranks`` GPUs in all)."""
 
     rollout_actor_resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources per rollout actor (name -> amount > 0), e.g. ``{stppo_rollout = 1}``:
@@ -307,6 +307,16 @@ class RunConfig(StrictModel):
 
     ray: RayConfig = RayConfig()
     """Ray cluster and resources."""
+
+    @model_validator(mode="after")
+    def _check_bias_norm_zero_stage(self) -> RunConfig:
+        if getattr(self.algorithm, "bias_norm", None) == "param" and self.learner.zero_stage == 3:
+            raise ValueError(
+                "algorithm.bias_norm = 'param' needs full parameters for its extra backward, "
+                "which ZeRO-3 partitions across ranks: set learner.zero_stage <= 2 or "
+                "algorithm.bias_norm = 'logprob'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_group_size_for_grpo(self) -> RunConfig:

@@ -245,17 +245,22 @@ class Driver:
     def _create_actors(self) -> None:
         import ray
 
-        from services.ray_actors import create_buffer_actor, create_learner_actor
+        from services.learner_group import create_learner_group
+        from services.ray_actors import create_buffer_actor
         from services.sampler import QuestionSampler
         from services.weight_sync import make_weight_sync
 
         self.weight_sync = make_weight_sync(self.cfg.sync.transport)
         self.sampler = QuestionSampler.from_data(self.cfg.data, "train", self.cfg.run.seed)
-        self.learner = create_learner_actor(self.cfg)
+        self.learner = create_learner_group(self.cfg)  # learner.num_ranks actors, one handle
+        self._closers.append(self.learner.shutdown)
         self.buffer = create_buffer_actor(self.cfg)
         ray.get(self.buffer.set_capacity.remote(self.cfg.effective_buffer_capacity))
         self._resize_rollout_actors(self.cfg.rollout.num_actors)
-        self.progress.say(f"{len(self.slots)} rollout actor(s), 1 learner, 1 buffer on Ray")
+        self.progress.say(
+            f"{len(self.slots)} rollout actor(s), {self.learner.num_ranks} learner rank(s), "
+            "1 buffer on Ray"
+        )
 
     def _shutdown(self) -> None:
         for close in reversed(self._closers):

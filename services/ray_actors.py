@@ -46,11 +46,12 @@ def rollout_actor_options(cfg: RunConfig, index: int) -> dict[str, Any]:
     }
 
 
-def learner_actor_options(cfg: RunConfig) -> dict[str, Any]:
-    """``ray.remote(...).options`` of the learner actor: CPUs, GPUs and the custom resources
-    of ``ray.learner_resources`` (advertised by the learner worker group only)."""
+def learner_actor_options(cfg: RunConfig, rank: int = 0) -> dict[str, Any]:
+    """``ray.remote(...).options`` of learner rank ``rank``: CPUs, GPUs and the custom
+    resources of ``ray.learner_resources`` (advertised by the learner worker group only).
+    ``services.learner_group`` adds the placement-group bundle of the rank."""
     return {
-        "name": f"learner-{cfg.run.name}",
+        "name": f"learner-{cfg.run.name}" + (f"-{rank}" if rank else ""),
         "num_cpus": cfg.ray.learner_cpus,
         "num_gpus": cfg.ray.learner_gpus,
         "resources": dict(cfg.ray.learner_resources),
@@ -70,20 +71,6 @@ def create_rollout_actor(cfg: RunConfig, retrieval_url: str, index: int) -> Any:
         rollout_cfg=cfg.rollout,
         retrieval_url=retrieval_url,
         seed=cfg.run.seed * 1000 + index,
-    )
-
-
-def create_learner_actor(cfg: RunConfig) -> Any:
-    """The DeepSpeed learner (policy, critic, reference) in its own process."""
-    from learner.trainer import Learner
-
-    cls = ray.remote(Learner).options(**learner_actor_options(cfg))
-    return cls.remote(
-        str(cfg.model.path),
-        cfg.learner,
-        cfg.algorithm,
-        seed=cfg.run.seed,
-        temperature=cfg.rollout.temperature,
     )
 
 

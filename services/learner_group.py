@@ -1,0 +1,279 @@
+"""The learner as a group of ``learner.num_ranks`` Ray actors (data-parallel DeepSpeed).
+
+:class:`LearnerGroup` starts one :class:`LearnerRank` actor per rank in one placement group
+(a bundle of ``ray.learner_cpus`` CPUs, ``ray.learner_gpus`` GPUs and
+``ray.learner_resources`` per rank, ``PACK`` strategy: on one node when it fits), asks rank 0
+for a rendezvous address (its node IP and a free port), and has every rank join one
+``torch.distributed`` group there (:func:`learner.distributed.init_rank_distributed`: gloo
+on CPU, nccl on CUDA) before building its :class:`learner.trainer.Learner`. How the batch
+and the reductions are split is in ``learner/trainer.py``'s module docstring.
+
+The group looks like the single learner actor it replaces: ``group.step.remote(batch)``
+calls ``step`` on every rank with the same arguments and returns *one* object ref, that of
+a small collector task (:func:`_collect`) which resolves to rank 0's result, or raises
+:class:`LearnerRankError` as soon as any rank fails (a dead actor or an exception), naming
+the rank and the last checkpoint the group saved or loaded. So a crashed rank stops the run
+with that message instead of leaving the other ranks blocked in a collective (their
+collectives also time out after ``timeout_s``). ``group.export_weights.options(
+num_returns=2).remote()`` returns rank 0's two refs directly (the state dict is not copied
+through the collector); the other ranks take part (ZeRO-3 gathers) and return ``{}``.
+
+Sources: Ray placement groups (``ray.util.placement_group``), OpenRLHF's and verl's Ray
+actor groups of DeepSpeed/FSDP ranks (rank 0 publishes ``MASTER_ADDR``/``MASTER_PORT``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import ray
+
+from services.config import RunConfig
+from services.ray_actors import learner_actor_options
+
+PLACEMENT_TIMEOUT_S = 300.0
+"""Seconds to wait for the cluster to grant the learner group's bundles."""
+
+
+class LearnerRankError(RuntimeError):
+    """A learner rank died or raised; the run cannot go on with a partial group."""
+
+
+class LearnerRank:
+    """Ray actor body of one rank: rendezvous, then a :class:`learner.trainer.Learner`.
+
+    Args:
+        rank: this actor's rank.
+        world_size: ranks in the group.
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.learner: Any = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(node IP, free TCP port) where rank 0 will host the ``torch.distributed`` store."""
+        from learner.distributed import find_free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, find_free_port("0.0.0.0")
+
+    def setup(
+        self,
+        master_addr: str,
+        master_port: int,
+        timeout_s: float,
+        model_path: str,
+        config: Any,
+        algorithm: Any,
+        seed: int,
+        temperature: float,
+    ) -> dict[str, Any]:
+        """Join the group, build the learner; returns this rank's pid, node and device."""
+        backend = self.join(master_addr, master_port, timeout_s)
+        self.build(model_path, config, algorithm, seed, temperature)
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+            "device": str(self.learner.device),
+            "backend": backend,
+        }
+
+    def join(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> str:
+        """Join the ``torch.distributed`` group (every rank at once); returns the backend."""
+        import torch
+
+        from learner.distributed import init_rank_distributed
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        init_rank_distributed(
+            self.rank, self.world_size, master_addr, master_port, backend, timeout_s
+        )
+        return backend
+
+    def build(
+        self, model_path: str, config: Any, algorithm: Any, seed: int, temperature: float
+    ) -> None:
+        """(Re)build this rank's learner inside the joined group (every rank at once)."""
+        import gc
+
+        from learner.trainer import Learner
+
+        self.learner = None
+        gc.collect()
+        self.learner = Learner(model_path, config, algorithm, seed=seed, temperature=temperature)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``learner.<method>(*args, **kwargs)``."""
+        return getattr(self.learner, method)(*args, **kwargs)
+
+    def pid(self) -> int:
+        """This rank's process id (tests kill it to simulate a crash)."""
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _collect(refs: list[Any], last_checkpoint: str | None, method: str) -> Any:
+    """Rank 0's result once every rank finished ``method``; the first failure raises.
+
+    ``refs`` is wrapped in a list so Ray passes the refs themselves, not their values.
+    """
+    pending = list(refs)
+    index = {ref: rank for rank, ref in enumerate(refs)}
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except Exception as e:
+            rank = index[ready[0]]
+            where = last_checkpoint or "none saved yet"
+            raise LearnerRankError(
+                f"learner rank {rank} failed during {method} ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); the run stops. "
+                f"Last checkpoint: {where}; `stppo train --resume` continues from it"
+            ) from None
+    return ray.get(refs[0])
+
+
+class _Method:
+    """``group.<name>``: ``.remote(*args)`` on every rank, one collected ref back."""
+
+    def __init__(self, group: LearnerGroup, name: str, num_returns: int = 1) -> None:
+        self._group = group
+        self._name = name
+        self._num_returns = num_returns
+
+    def options(self, num_returns: int = 1) -> _Method:
+        return _Method(self._group, self._name, num_returns)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._group._submit(self._name, self._num_returns, args, kwargs)
+
+
+class LearnerGroup:
+    """``cfg.learner.num_ranks`` learner ranks behind one actor-like handle.
+
+    Args:
+        cfg: the run config (model path, learner and algorithm sections, seed, temperature,
+            Ray resources).
+        timeout_s: collective timeout of the process group (seconds).
+
+    Raises:
+        TimeoutError: the cluster did not grant the bundles within
+            :data:`PLACEMENT_TIMEOUT_S` (the message lists the bundle asked for).
+        LearnerRankError: a rank failed while joining the group or building its learner.
+
+    Example::
+
+        group = LearnerGroup(cfg)
+        metrics = ray.get(group.step.remote(trajectories))
+        weights_ref, version_ref = group.export_weights.options(num_returns=2).remote()
+        group.shutdown()
+    """
+
+    def __init__(self, cfg: RunConfig, timeout_s: float = 600.0) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.ranks: list[Any] = []
+        self.placement_group: Any = None
+        self.num_ranks = cfg.learner.num_ranks
+        self.last_checkpoint: str | None = None
+        self._pending_checkpoint: tuple[Any, str] | None = None
+        bundle = {"CPU": cfg.ray.learner_cpus, "GPU": cfg.ray.learner_gpus}
+        bundle.update(cfg.ray.learner_resources)
+        bundle = {k: float(v) for k, v in bundle.items() if v > 0}
+        self.placement_group = placement_group([bundle] * self.num_ranks, strategy="PACK")
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            ray.util.remove_placement_group(self.placement_group)
+            raise TimeoutError(
+                f"the Ray cluster did not grant {self.num_ranks} learner bundle(s) of {bundle} "
+                f"within {PLACEMENT_TIMEOUT_S:.0f} s: lower learner.num_ranks or add nodes "
+                "with these resources (ray.learner_cpus / learner_gpus / learner_resources)"
+            )
+        self.ranks = []
+        for rank in range(self.num_ranks):
+            options = learner_actor_options(cfg, rank)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=rank
+            )
+            self.ranks.append(
+                ray.remote(LearnerRank).options(**options).remote(rank, self.num_ranks)
+            )
+        addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
+        setups = [
+            r.setup.remote(
+                addr,
+                port,
+                timeout_s,
+                str(cfg.model.path),
+                cfg.learner,
+                cfg.algorithm,
+                cfg.run.seed,
+                cfg.rollout.temperature,
+            )
+            for r in self.ranks
+        ]
+        try:
+            ray.get(_collect.remote(setups, None, "setup"))
+        except Exception:
+            self.shutdown()
+            raise
+        self.rank_info = ray.get(setups)
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Method(self, name)
+
+    def _submit(self, method: str, num_returns: int, args: tuple, kwargs: dict) -> Any:
+        self._promote_checkpoint()
+        if num_returns != 1:
+            first = (
+                self.ranks[0].call.options(num_returns=num_returns).remote(method, *args, **kwargs)
+            )
+            for r in self.ranks[1:]:
+                r.call.remote(method, *args, **kwargs)
+            return first
+        refs = [r.call.remote(method, *args, **kwargs) for r in self.ranks]
+        collected = _collect.remote(refs, self.last_checkpoint, method)
+        if method in ("save_checkpoint", "load_checkpoint"):
+            path = args[0] if args else kwargs.get("directory")
+            self._pending_checkpoint = (collected, str(path))
+        return collected
+
+    def _promote_checkpoint(self) -> None:
+        """The last save/load becomes ``last_checkpoint`` once it finished without error."""
+        if self._pending_checkpoint is None:
+            return
+        ref, path = self._pending_checkpoint
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return
+        self._pending_checkpoint = None
+        try:
+            ray.get(ref)
+        except Exception:
+            return
+        self.last_checkpoint = path
+
+    def shutdown(self) -> None:
+        """Kill every rank and release the placement group (idempotent)."""
+        for r in self.ranks:
+            with contextlib.suppress(Exception):
+                ray.kill(r)
+        self.ranks = []
+        if self.placement_group is not None:
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+def create_learner_group(cfg: RunConfig) -> LearnerGroup:
+    """The learner group of ``cfg`` (one rank when ``learner.num_ranks = 1``)."""
+    return LearnerGroup(cfg)
