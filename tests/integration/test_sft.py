@@ -58,9 +58,13 @@ def test_demonstration_layout_from_real_retrieval(tiny_llama_dir: Path, client):
 
 def test_build_demonstrations_counts_invalid_records(tiny_llama_dir: Path, client):
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    bad = dict(records()[0], id="bad", metadata={"entity": "x"})
+    bad = dict(records()[0], id="bad", metadata={"entity": "x", "search_queries": []})
     with pytest.raises(DemonstrationError, match="search_queries"):
         build_demonstration(bad, tok, client.retrieve)
+    # a record of your own QA files has no search_queries: it searches its question
+    own = {k: v for k, v in records()[0].items() if k != "metadata"}
+    demo = build_demonstration(own, tok, client.retrieve, require_answer_in_passages=False)
+    assert f"<search> {own['question']} </search>" in tok.decode(demo.response_ids)
     built = build_demonstrations([*records(), bad], tok, client.retrieve)
     assert built.num_records == len(records()) + 1 and built.num_invalid == 1
     assert len(built.demonstrations) + built.num_answer_not_retrieved == len(records())
