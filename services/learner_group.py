@@ -11,10 +11,10 @@ and the reductions are split is in ``learner/trainer.py``'s module docstring.
 The group looks like the single learner actor it replaces: ``group.step.remote(batch)``
 calls ``step`` on every rank with the same arguments and returns *one* object ref, that of
 a small collector task (:func:`_collect`) which resolves to rank 0's result, or raises
-:class:`LearnerRankError` as soon as any rank fails (a dead actor or an exception), naming
-the rank and the last checkpoint the group saved or loaded. So a crashed rank stops the run
-with that message instead of leaving the other ranks blocked in a collective (their
-collectives also time out after ``timeout_s``). ``group.export_weights.options(
+:class:`LearnerRankError` as soon as a rank's actor died, naming the rank and the last
+checkpoint the group saved or loaded (an exception the learner raised is passed on as it
+is). So a crashed rank stops the run with that message instead of leaving the other ranks
+blocked in a collective (their collectives also time out after ``timeout_s``). ``group.export_weights.options(
 num_returns=2).remote()`` returns rank 0's two refs directly (the state dict is not copied
 through the collector); the other ranks take part (ZeRO-3 gathers) and return ``{}``.
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Any
 
 import ray
@@ -116,26 +117,52 @@ class LearnerRank:
         return os.getpid()
 
 
+DEATH_GRACE_S = 10.0
+"""After a rank raised, seconds to wait for another rank to turn out dead: a killed rank
+makes its peers' collectives fail first (connection reset), and the death is the cause."""
+
+
+def _rank_died_error(rank: int, error: Exception, method: str, checkpoint: str | None):
+    detail = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+    return LearnerRankError(
+        f"learner rank {rank} died during {method} ({type(error).__name__}: {detail}); the "
+        f"run stops. Last checkpoint: {checkpoint or 'none saved yet'}; "
+        "`stppo train --resume` continues from it"
+    )
+
+
 @ray.remote(num_cpus=0, max_retries=0)
 def _collect(refs: list[Any], last_checkpoint: str | None, method: str) -> Any:
     """Rank 0's result once every rank finished ``method``; the first failure raises.
 
-    ``refs`` is wrapped in a list so Ray passes the refs themselves, not their values.
+    A rank whose actor died raises :class:`LearnerRankError` (naming the last
+    checkpoint). An exception raised by the learner's method (a bad argument, a checkpoint
+    written with another ``num_ranks``) is re-raised as it is, unless a rank turns out dead
+    within :data:`DEATH_GRACE_S` (the exception was then its consequence). ``refs`` is
+    wrapped in a list so Ray passes the refs themselves, not their values.
     """
-    pending = list(refs)
     index = {ref: rank for rank, ref in enumerate(refs)}
+    pending = list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
         try:
             ray.get(ready[0])
-        except Exception as e:
-            rank = index[ready[0]]
-            where = last_checkpoint or "none saved yet"
-            raise LearnerRankError(
-                f"learner rank {rank} failed during {method} ({type(e).__name__}: "
-                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); the run stops. "
-                f"Last checkpoint: {where}; `stppo train --resume` continues from it"
-            ) from None
+        except ray.exceptions.RayActorError as e:
+            raise _rank_died_error(index[ready[0]], e, method, last_checkpoint) from None
+        except Exception as raised:
+            deadline = DEATH_GRACE_S
+            while pending and deadline > 0:
+                started = time.monotonic()
+                done, pending = ray.wait(pending, num_returns=1, timeout=deadline)
+                deadline -= time.monotonic() - started
+                for ref in done:
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayActorError as e:
+                        raise _rank_died_error(index[ref], e, method, last_checkpoint) from None
+                    except Exception:
+                        pass
+            raise raised
     return ray.get(refs[0])
 
 
