@@ -1055,8 +1055,7 @@ class Learner:
                 if bad > 0.0:
                     engine.zero_grad()
                     return False, float("nan")
-                engine.step()
-                return True, _scalar(engine.get_global_grad_norm())
+                return True, self._fp32_zero0_step(engine)
             if not (loss_finite and math.isfinite(norm)):
                 engine.zero_grad()
                 return False, norm
@@ -1064,6 +1063,31 @@ class Learner:
             return True, norm
         engine.step()
         return bool(engine.was_step_applied()), _scalar(engine.get_global_grad_norm())
+
+    @staticmethod
+    def _fp32_zero0_step(engine: Any) -> float:
+        """``engine.step()`` for fp32 ZeRO-0 on N ranks, returning the pre-clip norm of the
+        reduced gradient. DeepSpeed reduces inside ``step`` and then clips with
+        ``clip_grad_norm_`` without keeping its result (``get_global_grad_norm`` is None at
+        ZeRO-0), so the clip is wrapped for this one call to record it."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        norms: list[float] = []
+
+        def clip() -> None:
+            norm = clip_grad_norm_(
+                parameters=engine.module.parameters(),
+                max_norm=engine.gradient_clipping(),
+                mpu=engine.mpu,
+            )
+            norms.append(_scalar(norm))
+
+        engine.clip_fp32_gradients = clip
+        try:
+            engine.step()
+        finally:
+            del engine.clip_fp32_gradients
+        return norms[0] if norms else float("nan")
 
     # ------------------------------------------------------------------ supervised (SFT)
 

@@ -165,3 +165,20 @@ def test_one_clip_bias_norm_and_scale_whatever_ranks_and_micro_batches(
         for rank in two:
             assert_same_metrics(rank, reference, rtol=METRIC_RTOL, atol=METRIC_ATOL)
     assert reference.clip_bias_scale < 1.0
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_param_bias_norm_on_two_ranks_at_every_stage_it_claims(groups, tiny_llama_dir, zero_stage):
+    """``bias_norm = param`` (gradient vectors all-reduced before the norm) and the stages
+    below 2 (gradients reduced inside ``step``; fp32 ZeRO-0's own finiteness check agreed
+    across ranks) give one rank's result on two."""
+    algorithm = STPPOConfig(tau=1e-3, off_policy="behavior", bias_norm="param")
+    (one,), (one_export,) = run(groups[1], tiny_llama_dir, algorithm, zero_stage, micro=1)
+    two, two_exports = run(groups[2], tiny_llama_dir, algorithm, zero_stage, micro=1)
+    assert one.clip_bias_scale < 1.0 and one.optimizer_steps == 2 and one.skipped_steps == 0
+    assert_same_metrics(two[1], two[0], rtol=0.0, atol=0.0)
+    assert_same_metrics(two[0], one, rtol=METRIC_RTOL, atol=METRIC_ATOL)
+    for name, tensor in one_export.state_dict.items():
+        torch.testing.assert_close(
+            two_exports[0].state_dict[name], tensor, rtol=PARAM_RTOL, atol=PARAM_ATOL
+        )
