@@ -112,6 +112,11 @@ class LearnerRank:
         """``learner.<method>(*args, **kwargs)``."""
         return getattr(self.learner, method)(*args, **kwargs)
 
+    def execute(self, fn: Any, *args: Any) -> Any:
+        """``fn(self, *args)`` in this rank's process (benchmarks and diagnostics ship a
+        function by value, e.g. to read this process's peak memory)."""
+        return fn(self, *args)
+
     def pid(self) -> int:
         """This rank's process id (tests kill it to simulate a crash)."""
         return os.getpid()
