@@ -370,7 +370,9 @@ def test_ray_resources_fit_the_run_config_and_pin_each_group(overlay):
     assert _custom_resources(head_params) == {}
     groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
     assert _custom_resources(groups["rollout"]["rayStartParams"]) == {"stppo_rollout": 1}
-    assert _custom_resources(groups["learner"]["rayStartParams"]) == {"stppo_learner": 1}
+    # one stppo_learner per learner rank: the ranks' bundles all fit the learner pod
+    ranks = cfg.learner.num_ranks
+    assert _custom_resources(groups["learner"]["rayStartParams"]) == {"stppo_learner": ranks}
     asks = {
         "rollout": (cfg.ray.rollout_actor_cpus, cfg.ray.rollout_actor_gpus,
                     cfg.ray.rollout_actor_resources),
@@ -388,15 +390,17 @@ def test_ray_resources_fit_the_run_config_and_pin_each_group(overlay):
             per_pod = min(per_pod, int(pod_gpus // gpus))
         for key, amount in custom.items():
             per_pod = min(per_pod, int(pod_custom[key] // amount))
-        wanted = cfg.rollout.num_actors if name == "rollout" else 1
+        wanted = cfg.rollout.num_actors if name == "rollout" else ranks
         assert per_pod >= 1 and per_pod * group["replicas"] >= wanted, name
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
     assert spec["enableInTreeAutoscaling"] is True
     assert groups["rollout"]["maxReplicas"] > groups["rollout"]["replicas"]  # room to scale
     tolerations = groups["learner"]["template"]["spec"]["tolerations"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
-    if overlay == "gpu":
+    if overlay == "gpu":  # the learner pod has one GPU per learner rank
         assert cfg.ray.learner_gpus == 1
+        limits = groups["learner"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == str(ranks) and ranks >= 2
         assert cfg.rollout.engine == "vllm"
 
 
@@ -409,7 +413,8 @@ def test_cpu_demo_and_gpu_overlays_differ_where_intended():
         assert "nvidia.com/gpu" not in limits
     for group in one(gpu, "RayCluster")["spec"]["workerGroupSpecs"]:
         container = group["template"]["spec"]["containers"][0]
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        gpus = {"rollout": "1", "learner": "2"}[group["groupName"]]  # learner: num_ranks
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
         assert container["image"].endswith("-cuda")
         assert any(t["key"] == "nvidia.com/gpu" for t in group["template"]["spec"]["tolerations"])
 
