@@ -1,6 +1,6 @@
 """The DeepSpeed learner: policy, critic and frozen reference, one ST-PPO-family step.
 
-:class:`Learner` holds three DeepSpeed engines (single process; gloo on CPU, see
+:class:`Learner` holds three DeepSpeed engines (one process per rank; gloo on CPU, see
 ``../shared/spec/platform-notes.md``):
 
 - ``policy_engine``: the causal LM being trained (AdamW, ZeRO stage and dtype from
@@ -1148,8 +1148,11 @@ class Learner:
         """Copy the current policy weights into the frozen reference (``kl_ref`` is measured
         against these from now on); :meth:`save_checkpoint` then saves the reference too.
         """
-        state = self._module_state(self.policy_engine.module, keep=True)
-        self._load_module_state(self.reference_engine.module, state)
+        reference = self.reference_engine.module
+        # a replicated reference loads the full state on every rank; a ZeRO-3 one on rank 0
+        keep = self.rank == 0 or not self._zero3(reference)
+        state = self._module_state(self.policy_engine.module, keep=keep)
+        self._load_module_state(reference, state)
         self.reference_version = self.policy_version
 
     # ------------------------------------------------------------------ metrics

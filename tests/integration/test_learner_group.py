@@ -72,9 +72,14 @@ def test_group_exports_checkpoints_resumes_and_fails_clearly(ray_cluster, tiny_l
         fresh.load_state_dict(weights, strict=True)
         assert all(t.numel() > 0 for t in weights.values())
 
+        # the sharded (ZeRO-3) reference becomes the policy, and is checkpointed gathered
+        ray.get(group.reset_reference_to_policy.remote())
         checkpoint = tmp_path / "step_1"
         ray.get(group.save_checkpoint.remote(str(checkpoint)))
         assert (checkpoint / "hf_policy" / "config.json").exists()
+        reference = AutoModelForCausalLM.from_pretrained(checkpoint / "hf_reference")
+        for name, tensor in reference.state_dict().items():
+            torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0, msg=name)
         second = ray.get(group.step.remote(make_batch(4)))
 
         # resume (same num_ranks): the same step from the checkpoint gives the same result
