@@ -5,8 +5,10 @@ and ZeRO-3, each a fresh :class:`services.learner_group.LearnerGroup`-style grou
 :class:`services.learner_group.LearnerRank` actors on a local Ray cluster (fresh processes,
 so peak memory is per configuration). Per configuration: the median learner-step time over
 ``--steps`` steps after one warm-up step, tokens/s (real tokens x epochs / step time), and
-per rank the peak RSS (``ru_maxrss`` of the rank's process: the models, engines, Adam state
-and activations) and the seconds spent inside ``torch.distributed`` calls during the
+per rank the peak RSS (``ru_maxrss`` of the rank's process over its life: each rank loads
+full copies of policy, critic and reference before DeepSpeed partitions them, so under ZeRO-3
+this peak is set at construction) and the RSS after the measured steps (``VmRSS``: weights,
+gradients and Adam state as partitioned, plus the allocator's cached activations) and the seconds spent inside ``torch.distributed`` calls during the
 measured steps (wall time of each call, plus of ``wait`` on the handle an asynchronous call
 returns).
 
@@ -173,10 +175,15 @@ def _reset(rank: LearnerRank) -> None:
 
 
 def _stats(rank: LearnerRank) -> dict[str, float]:
+    import gc
     import resource
 
+    gc.collect()
+    with open("/proc/self/status") as status:
+        rss_kb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
     return {
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+        "rss_gb": rss_kb / 1024**2,
         "collective_s": rank.collective_s,
     }
 
@@ -219,6 +226,7 @@ def run_config(model: Path, num_ranks: int, zero_stage: int, batch, args) -> dic
         "step_s": times,
         "tokens_per_s": statistics.median(tokens_per_s),
         "peak_rss_gb_per_rank": [s["peak_rss_gb"] for s in stats],
+        "rss_after_steps_gb_per_rank": [s["rss_gb"] for s in stats],
         "collective_s_per_step_per_rank": [s["collective_s"] / args.steps for s in stats],
     }
 
@@ -255,15 +263,15 @@ def main() -> None:
 
     print(f"\nbatch: {len(batch)} trajectories, {num_tokens} tokens; model hidden "
           f"{args.hidden}, {args.layers} layers, fp32; {args.steps} measured steps\n")  # fmt: skip
-    print(
-        "| ZeRO | ranks | step s (median) | tokens/s | peak RSS per rank (GB) | collectives s/step per rank |"
-    )
-    print("|---|---|---|---|---|---|")
+    print("| ZeRO | ranks | step s (median) | tokens/s | peak RSS per rank (GB) "
+          "| RSS after the steps per rank (GB) | collectives s/step per rank |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         rss = ", ".join(f"{v:.2f}" for v in r["peak_rss_gb_per_rank"])
+        now = ", ".join(f"{v:.2f}" for v in r["rss_after_steps_gb_per_rank"])
         coll = ", ".join(f"{v:.2f}" for v in r["collective_s_per_step_per_rank"])
         print(f"| {r['zero_stage']} | {r['num_ranks']} | {r['step_s_median']:.2f} | "
-              f"{r['tokens_per_s']:.0f} | {rss} | {coll} |")  # fmt: skip
+              f"{r['tokens_per_s']:.0f} | {rss} | {now} | {coll} |")  # fmt: skip
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out),
