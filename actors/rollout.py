@@ -455,6 +455,40 @@ class RolloutWorker:
         self.engine.load_weights(state_dict, policy_version)
         return self.engine.policy_version
 
+    def join_weight_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        """Join the ``collective`` weight-sync group as ``rank`` (see
+        :mod:`actors.weight_group`; blocks until every member has joined). A previous
+        membership is left first."""
+        from actors.weight_group import WeightGroup
+
+        self.leave_weight_group()
+        self._weight_group = WeightGroup(host, port, rank, world_size, backend, timeout_s)
+
+    def leave_weight_group(self) -> None:
+        """Leave the weight-sync group, if in one."""
+        group = getattr(self, "_weight_group", None)
+        if group is not None:
+            group.close()
+        self._weight_group = None
+
+    def receive_weights(self, metas: list) -> float:
+        """Receive one broadcast of the policy (``metas``: the
+        :class:`actors.weight_group.TensorMeta` plan) and load it into the engine in place
+        (its ``load_weights``); returns the seconds from the first tensor to loaded.
+
+        Raises:
+            RuntimeError: this worker is not in a weight-sync group.
+        """
+        group = getattr(self, "_weight_group", None)
+        if group is None:
+            raise RuntimeError("receive_weights before join_weight_group")
+        version, tensors = group.receive(metas)
+        started = time.perf_counter()
+        self.engine.load_weights(dict(tensors), version)
+        return time.perf_counter() - started
+
     def get_policy_version(self) -> int:
         """The engine's current ``policy_version`` (a method: Ray actors expose no properties)."""
         return self.engine.policy_version

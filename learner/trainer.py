@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import time
 from collections import defaultdict
@@ -77,6 +78,7 @@ import torch
 from pydantic import BaseModel, TypeAdapter
 from torch import Tensor
 
+from actors.hardware import resolve_dtype
 from actors.trajectory import Trajectory
 from learner import advantages as adv_fns
 from learner import losses
@@ -91,9 +93,10 @@ from learner.config import (
 )
 from learner.distributed import balanced_shards, init_single_process_distributed
 from learner.modeling import ValueModel, response_logits, token_logprobs
-from learner.sft import WarmStartReport, run_warm_start
+from learner.sft import WarmStartReport, print_progress, run_warm_start
 
 _ALGORITHM_ADAPTER: TypeAdapter = TypeAdapter(AlgorithmConfig)
+logger = logging.getLogger(__name__)
 
 _PER_UPDATE_METRICS = ("pg_loss", "value_loss", "clip_bias_norm", "clip_bias_scale")
 """Metrics with one value per optimizer step (mini-batch losses, ||C||, s): averaged over
@@ -366,17 +369,20 @@ def deepspeed_config(config: LearnerConfig, lr: float, *, with_optimizer: bool) 
         lr: learning rate of this engine's AdamW.
         with_optimizer: False for the frozen reference (ZeRO 0, no optimizer).
     """
+    bf16 = (
+        resolve_dtype(config.dtype, "cuda" if torch.cuda.is_available() else "cpu").name == "bf16"
+    )
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": config.micro_batch_size,
         "gradient_accumulation_steps": config.mini_batch_size // config.micro_batch_size,
-        "bf16": {"enabled": config.dtype == "bf16"},
+        "bf16": {"enabled": bf16},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
     if not with_optimizer:
         if config.zero_stage == 3:  # the frozen reference is sharded like the policy
             ds["zero_optimization"] = {"stage": 3}
-            ds["bf16"] = {"enabled": config.dtype == "bf16"}
+            ds["bf16"] = {"enabled": bf16}
             return ds
         ds["zero_optimization"] = {"stage": 0}
         ds["bf16"] = {"enabled": False}  # weights are already bf16; no optimizer wrapper
@@ -393,10 +399,6 @@ def deepspeed_config(config: LearnerConfig, lr: float, *, with_optimizer: bool) 
         }
     )
     return ds
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return torch.bfloat16 if name == "bf16" else torch.float32
 
 
 def _pad_columns(x: Tensor, width: int) -> Tensor:
@@ -472,7 +474,13 @@ class Learner:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
 
-        dtype = _torch_dtype(config.dtype)
+        # dtype "auto": bf16 on CUDA and on CPUs with native bf16, fp32 elsewhere (actors.hardware)
+        self.dtype_choice = resolve_dtype(
+            config.dtype, "cuda" if torch.cuda.is_available() else "cpu"
+        )
+        config = self.config = config.model_copy(update={"dtype": self.dtype_choice.name})
+        logger.info("learner dtype %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
+        dtype = self.dtype_choice.torch_dtype
         torch.manual_seed(seed)
         policy = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
         critic = ValueModel.from_pretrained(self.model_path, dtype=dtype)
@@ -1139,7 +1147,13 @@ class Learner:
     ) -> WarmStartReport:
         """Warm-start SFT on demonstrations (:func:`learner.sft.run_warm_start`, seeded with
         the learner's seed); returns its :class:`learner.sft.WarmStartReport`."""
-        report = run_warm_start(self, demonstrations, config, seed=self.seed)
+        report = run_warm_start(
+            self,
+            demonstrations,
+            config,
+            seed=self.seed,
+            progress=print_progress if self.rank == 0 else None,
+        )
         if config.reference_from_warm_start:
             self.reset_reference_to_policy()
         return report
@@ -1227,6 +1241,66 @@ class Learner:
         """
         state = self._module_state(self.policy_engine.module, self.rank == 0)
         return WeightsExport(state_dict=state, policy_version=self.policy_version)
+
+    # ------------------------------------------------------------------ collective weight sync
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """(routable IP, free port) of this host, where rank 0 hosts the weight-sync group's
+        store (``sync.transport = "collective"``, :mod:`actors.weight_group`)."""
+        from actors.weight_group import free_port, routable_ip
+
+        return routable_ip(), free_port()
+
+    def join_weight_group(
+        self, host: str, port: int, world_size: int, backend: str, timeout_s: float
+    ) -> list:
+        """Rank 0 joins the weight-sync group as its rank 0 (blocks until every engine has
+        joined) and returns the broadcast plan (a :class:`actors.weight_group.TensorMeta`
+        per exported tensor); other ranks take part in the export only (ZeRO-3 gathers)
+        and return ``[]``."""
+        from actors.weight_group import WeightGroup, tensor_metas
+
+        metas = tensor_metas(self.export_weights().state_dict)
+        if self.rank != 0:
+            return []
+        self.leave_weight_group()
+        self._weight_group = WeightGroup(host, port, 0, world_size, backend, timeout_s)
+        self._weight_metas = metas
+        return metas
+
+    def leave_weight_group(self) -> None:
+        """Leave the weight-sync group, if in one (every member must leave and re-join to
+        change its members, e.g. after an engine restarted)."""
+        group = getattr(self, "_weight_group", None)
+        if group is not None:
+            group.close()
+        self._weight_group = None
+
+    def broadcast_weights(self) -> dict[str, float]:
+        """Export the policy (collective under ZeRO-3) and, on rank 0, broadcast it to the
+        engines tensor by tensor; returns ``policy_version``, ``export_s``, ``broadcast_s``
+        and ``bytes`` (zeros on other ranks).
+
+        Raises:
+            RuntimeError: rank 0 is not in a weight-sync group.
+        """
+        started = time.perf_counter()
+        export = self.export_weights()
+        export_s = time.perf_counter() - started
+        if self.rank != 0:
+            return {"policy_version": float(self.policy_version), "export_s": export_s,
+                    "broadcast_s": 0.0, "bytes": 0.0}  # fmt: skip
+        group = getattr(self, "_weight_group", None)
+        if group is None:
+            raise RuntimeError("broadcast_weights before join_weight_group")
+        started = time.perf_counter()
+        sent = group.send(export.state_dict, self._weight_metas, export.policy_version)
+        return {
+            "policy_version": float(export.policy_version),
+            "export_s": export_s,
+            "broadcast_s": time.perf_counter() - started,
+            "bytes": float(sent),
+        }
 
     def _module_state(self, module: torch.nn.Module, keep: bool) -> dict[str, Tensor]:
         """Full CPU clones of ``module``'s state dict where ``keep``, else ``{}``; gathers

@@ -154,8 +154,15 @@ class SyncConfig(StrictModel):
     """Push new weights after every k learner steps; at most ``buffer.max_staleness + 1``
     (engines that lag more could start nothing in bound: deadlock)."""
 
-    transport: Literal["object_store", "nccl"] = "object_store"
-    """In-memory transport: Ray object store (CPU) or NCCL broadcast (GPU)."""
+    transport: Literal["object_store", "collective"] = "object_store"
+    """``object_store``: the learner exports once into Ray's object store and each engine
+    pulls it. ``collective``: learner rank 0 and every engine form one process group and the
+    weights are broadcast tensor by tensor (nccl when the learner has GPUs, gloo otherwise;
+    :mod:`services.weight_sync`)."""
+
+    collective_timeout_s: float = Field(1800.0, gt=0.0, le=86_400.0)
+    """``collective``: how long a member waits for the others, joining and per broadcast.
+    An engine takes part when its current generation batch ends, so this bounds a batch."""
 
     fixed_lag: bool = False
     """Exact staleness (:mod:`services.lagged_sync`): engines hold the weights exactly

@@ -250,7 +250,11 @@ class Driver:
         from services.sampler import QuestionSampler
         from services.weight_sync import make_weight_sync
 
-        self.weight_sync = make_weight_sync(self.cfg.sync.transport)
+        self.weight_sync = make_weight_sync(
+            self.cfg.sync.transport,
+            backend="nccl" if self.cfg.ray.learner_gpus > 0 else "gloo",
+            timeout_s=self.cfg.sync.collective_timeout_s,
+        )
         self.sampler = QuestionSampler.from_data(self.cfg.data, "train", self.cfg.run.seed)
         self.learner = create_learner_group(self.cfg)  # learner.num_ranks actors, one handle
         self._closers.append(self.learner.shutdown)
@@ -361,7 +365,7 @@ class Driver:
             tag=tag, learner_step=self.state.learner_step, policy_version=self.state.policy_version
         )
         self._append_jsonl("eval.jsonl", summary)
-        self.progress.say(f"eval[{tag}] validation: {_fmt(summary)}")
+        self.progress.say(f"eval ({tag}) validation: {_fmt(summary)}")
 
     def _rollout_shards(self, shards: list[list[dict[str, Any]]], tag: str) -> list[Any]:
         """Greedy rollouts of ``shards[i]`` on rollout actor ``i``, all in parallel.
@@ -373,27 +377,51 @@ class Driver:
         """
         import ray
 
+        chunk = max(1, self.cfg.rollout.prompts_per_batch)
+        total = sum(len(shard) for shard in shards)
+        done, started = 0, time.perf_counter()
         pending = {i: shard for i, shard in enumerate(shards) if shard}
         trajectories: list[Any] = []
         for _ in range(self.cfg.ray.max_actor_restarts + 1):
-            refs = {
-                i: self.slots[i].handle.rollout.remote(shard, greedy=True)
+            # each shard in chunks, all queued at once (an actor runs them in order), read
+            # back in order per actor so that progress shows as chunks finish
+            queues = {
+                i: [
+                    (k, self.slots[i].handle.rollout.remote(shard[k : k + chunk], greedy=True))
+                    for k in range(0, len(shard), chunk)
+                ]
                 for i, shard in pending.items()
             }
             failed: dict[int, list[dict[str, Any]]] = {}
-            for i, ref in refs.items():
+            while queues:
+                heads = {queue[0][1]: i for i, queue in queues.items()}
+                ready, _ = ray.wait(list(heads), num_returns=1)
+                i = heads[ready[0]]
+                k, ref = queues[i].pop(0)
                 slot = self.slots[i]
                 try:
                     batch = ray.get(ref)
+                    lost = _lost_weights(batch, slot.engine_version)
+                    if lost:
+                        self._on_actor_crash(
+                            slot, RuntimeError("engine lost its weights (restarted)")
+                        )
                 except ray.exceptions.RayActorError as e:
                     self._on_actor_crash(slot, e)
-                    failed[i] = pending[i]
+                    lost = True
+                if lost:
+                    failed[i] = pending[i][k:]  # this chunk and the ones queued behind it
+                    del queues[i]
                     continue
-                if _lost_weights(batch, slot.engine_version):
-                    self._on_actor_crash(slot, RuntimeError("engine lost its weights (restarted)"))
-                    failed[i] = pending[i]
-                    continue
+                if not queues[i]:
+                    del queues[i]
                 trajectories.extend(batch)
+                done += len(pending[i][k : k + chunk])
+                elapsed = time.perf_counter() - started
+                self.progress.say(
+                    f"eval ({tag}) {done}/{total} questions, "
+                    f"ETA {_fmt_seconds(elapsed / done * (total - done))}"
+                )
             if not failed:
                 return trajectories
             for ack in list(self._pending_acks):  # the re-synced weights must land first
@@ -679,6 +707,14 @@ class Driver:
             load_s = ray.get(ack)
         except ray.exceptions.RayActorError:
             return  # the actor crashed; _on_actor_crash re-syncs it
+        except ray.exceptions.RayTaskError as e:
+            # a collective sync broken by an engine that died mid-broadcast: the group is
+            # formed again, and every engine re-synced, at the next sync
+            if not self.weight_sync.on_broken_sync(e):
+                raise
+            self.progress.say("weight sync: the collective broadcast broke (an engine died); "
+                              "re-forming the group at the next sync")  # fmt: skip
+            return
         if isinstance(load_s, int | float):
             self.metrics.observe_weight_sync(export_s + float(load_s))
 
@@ -929,3 +965,11 @@ def run_training(cfg: RunConfig, resume: bool = False) -> DriverState:
     from services.model_source import with_resolved_model
 
     return Driver(with_resolved_model(cfg), resume=resume).run()
+
+
+def _fmt_seconds(seconds: float) -> str:
+    """``95`` -> ``"1m35s"``; ``4000`` -> ``"1h06m"``."""
+    seconds = max(0, round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"

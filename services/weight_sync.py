@@ -11,13 +11,16 @@ Transports:
 
 - :class:`ObjectStoreWeightSync` (CPU, default): the state dict goes into the Ray object
   store once (``export_weights`` returns it) and each engine pulls it by reference.
-- NCCL broadcast (GPU; ``sync.transport = "nccl"``), design: the learner rank and every
-  engine's worker join one ``torch.distributed`` group created after the actors start
-  (``init_process_group`` with a TCP store on the learner's node); ``push`` sends the version
-  and a flat list of (name, dtype, shape) through the object store, then broadcasts each
-  tensor from the learner rank on the GPU, and engines copy into their parameters in place
-  (vLLM: ``collective_rpc`` to the worker's ``load_weights``). Same :class:`WeightSync`
-  Protocol, no host round trip. Not built yet: choosing it fails at start with a clear error.
+- :class:`CollectiveWeightSync` (``sync.transport = "collective"``): learner rank 0 and every
+  engine join one process group (:mod:`actors.weight_group`: a standalone gloo group on CPU,
+  nccl when the learner has GPUs; the same code) and each sync broadcasts the weights
+  tensor by tensor from rank 0; each engine loads them in place between two generation
+  batches. No copy goes through the object store. The learner's broadcast waits until
+  every engine has finished its current batch and joined in, so the learner idles for
+  that long; ``sync.collective_timeout_s`` bounds it. Group membership is fixed: an engine
+  that restarts (or is added by a live ``rollout.num_actors`` change) gets the weights
+  through the object store at once, and the group is formed again, with every engine,
+  at the next sync.
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ class WeightSync(Protocol):
         """Re-send an already exported version to some engines (e.g. restarted ones)."""
         ...
 
+    def on_broken_sync(self, error: Exception) -> bool:
+        """A sync's acknowledgement raised ``error``; True if the transport recovers from it
+        (the driver then goes on), False if the run must stop."""
+        ...
+
 
 class ObjectStoreWeightSync:
     """Ray object store transport (see module docstring)."""
@@ -80,18 +88,122 @@ class ObjectStoreWeightSync:
     def push_to(self, handle: SyncHandle, engines: list[Any]) -> list[Any]:
         return [e.load_weights.remote(handle.weights_ref, handle.policy_version) for e in engines]
 
+    def on_broken_sync(self, error: Exception) -> bool:
+        return False  # a load that raised is a bug, not a transient fault
 
-def make_weight_sync(transport: str) -> WeightSync:
+
+class CollectiveWeightSync:
+    """Process-group broadcast transport (see module docstring).
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"`` (learner rank 0's device decides: nccl needs CUDA
+            tensors on every member).
+        timeout_s: join and per-broadcast timeout of every member.
+    """
+
+    def __init__(self, backend: str = "gloo", timeout_s: float = 1800.0) -> None:
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._members: list[Any] = []  # engine handles in the group, in rank order
+        self._metas: list[Any] = []
+        self._learner: Any = None
+        self.groups_formed = 0
+
+    def _form_group(self, learner: Any, engines: list[Any]) -> None:
+        """Form the group, waiting for engines that Ray is restarting (each retry starts
+        over: a half-formed group is left by every member)."""
+        import ray
+
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._try_form_group(learner, engines)
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    def _try_form_group(self, learner: Any, engines: list[Any]) -> None:
+        import ray
+
+        # leave first (membership changes need a new group); engines not in the old group
+        # (restarted, added) are not in any
+        ray.get(
+            [learner.leave_weight_group.remote()] + [e.leave_weight_group.remote() for e in engines]
+        )
+        host, port = ray.get(learner.weight_group_address.remote())
+        world = len(engines) + 1
+        metas_ref = learner.join_weight_group.remote(
+            host, port, world, self.backend, self.timeout_s
+        )
+        joins = [
+            e.join_weight_group.remote(host, port, rank, world, self.backend, self.timeout_s)
+            for rank, e in enumerate(engines, start=1)
+        ]
+        ray.get(joins)
+        self._metas = ray.get(metas_ref)
+        self._members = list(engines)
+        self.groups_formed += 1
+
+    def push(self, learner: Any, engines: list[Any], policy_version: int) -> SyncHandle:
+        started = time.perf_counter()
+        self._learner = learner
+        if _ids(self._members) != _ids(engines):
+            self._form_group(learner, engines)
+        sent = learner.broadcast_weights.remote()
+        acks = [e.receive_weights.remote(self._metas) for e in engines]
+        return SyncHandle(policy_version, 0.0, [sent, *acks], None, started)
+
+    def push_to(self, handle: SyncHandle, engines: list[Any]) -> list[Any]:
+        """Engines outside the group (restarted or added): the learner's current weights
+        through the object store now, at the learner's current version (``handle``'s or a
+        later one: no copy of older weights is kept, and newer weights only make the
+        engine less stale); the group is formed again, with them, at the next :meth:`push`.
+
+        Raises:
+            RuntimeError: before the first :meth:`push`.
+        """
+        if self._learner is None:
+            raise RuntimeError("push_to before the first push")
+        weights_ref, version_ref = self._learner.export_weights.options(num_returns=2).remote()
+        self._members = []  # re-form at the next push, with every engine
+        return [e.load_weights.remote(weights_ref, version_ref) for e in engines]
+
+    def on_broken_sync(self, error: Exception) -> bool:
+        """A member died mid-broadcast (gloo/nccl report the closed connection to the
+        others): forget the group; the next :meth:`push` forms it again and re-syncs every
+        engine. Other errors (a bug, a bad tensor plan) are not recovered from."""
+        text = str(error)
+        if not any(sign in text for sign in _PEER_LOST):
+            return False
+        self._members = []
+        return True
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "NCCL")
+"""Error texts of a collective whose peer died or stopped answering (gloo, nccl)."""
+
+
+def _ids(handles: list[Any]) -> list[Any]:
+    """Ray actor ids of ``handles`` (handles to one actor are different objects)."""
+    return [getattr(h, "_actor_id", h) for h in handles]
+
+
+def make_weight_sync(
+    transport: str, backend: str = "gloo", timeout_s: float = 1800.0
+) -> WeightSync:
     """The transport named in ``sync.transport``.
 
+    Args:
+        transport: ``"object_store"`` or ``"collective"``.
+        backend: the ``collective`` group's backend (``"gloo"`` / ``"nccl"``).
+        timeout_s: the ``collective`` group's timeout.
+
     Raises:
-        NotImplementedError: ``nccl`` (designed above, not built yet).
+        ValueError: an unknown transport.
     """
     if transport == "object_store":
         return ObjectStoreWeightSync()
-    if transport == "nccl":
-        raise NotImplementedError(
-            "sync.transport = 'nccl' is designed (services/weight_sync.py) but not built yet; "
-            "use 'object_store'"
-        )
+    if transport == "collective":
+        return CollectiveWeightSync(backend, timeout_s)
     raise ValueError(f"unknown weight-sync transport {transport!r}")
