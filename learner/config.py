@@ -258,8 +258,11 @@ class LearnerConfig(StrictModel):
     trajectories per forward on one rank. Results match one rank (see README, "Learner on N
     ranks"); a checkpoint resumes only with the same ``num_ranks`` and ``zero_stage``."""
 
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    """Training precision (fp16 is not supported by DeepSpeed on CPU)."""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """Training precision: ``auto`` is bf16 on CUDA and on CPUs that multiply bf16 natively
+    (avx512_bf16 / AMX), fp32 on other CPUs, where bf16 is emulated and tens of times
+    slower (:mod:`actors.hardware`; the choice and its reason go to the log). fp16 is not
+    supported by DeepSpeed on CPU."""
 
     actor_lr: float = Field(1e-6, gt=0.0, le=1.0)
     """Policy learning rate (spec: 1e-6 at 7B; small models need larger)."""

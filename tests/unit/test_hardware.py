@@ -1,0 +1,80 @@
+"""``dtype = "auto"``: bf16 where the hardware multiplies it natively, fp32 elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from actors.hardware import FORCE_ENV, cpu_flags, cpu_has_native_bf16, resolve_dtype
+from learner.trainer import deepspeed_config
+
+# /proc/cpuinfo excerpts of the CPUs this project runs on
+
+AVX2_EPYC = """processor\t: 0
+model name\t: AMD EPYC 7B12
+flags\t\t: fpu vme sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2
+"""
+AVX512_BF16_EPYC = """processor\t: 0
+model name\t: AMD EPYC 9B14
+flags\t\t: fpu sse2 avx avx2 avx512f avx512dq avx512_bf16 avx512_vnni
+"""
+AMX_XEON = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8481C
+flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cpuinfo"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "native", "flag"),
+    [
+        (AVX2_EPYC, False, None),
+        (AVX512_BF16_EPYC, True, "avx512_bf16"),
+        (AMX_XEON, True, "amx_bf16"),
+    ],
+)
+def test_detection_reads_the_cpu_flags(tmp_path, monkeypatch, cpuinfo, native, flag):
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    got, why = cpu_has_native_bf16(write(tmp_path, cpuinfo))
+    assert got is native
+    assert cpu_flags(write(tmp_path, cpuinfo))[0] in why
+    if flag:
+        assert flag in why
+
+
+def test_missing_cpuinfo_means_no_native_bf16(tmp_path, monkeypatch):
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    assert cpu_has_native_bf16(tmp_path / "absent")[0] is False
+
+
+@pytest.mark.parametrize(("forced", "name"), [("1", "bf16"), ("0", "fp32")])
+def test_auto_follows_the_forced_detection_on_cpu(monkeypatch, forced, name):
+    monkeypatch.setenv(FORCE_ENV, forced)
+    choice = resolve_dtype("auto", "cpu")
+    assert choice.name == name and FORCE_ENV in choice.reason
+    # the learner's DeepSpeed config follows the same choice
+    from learner.config import LearnerConfig
+
+    ds = deepspeed_config(LearnerConfig(dtype="auto"), 1e-5, with_optimizer=True)
+    assert ds["bf16"]["enabled"] is (name == "bf16")
+
+
+def test_auto_is_bf16_on_cuda_and_explicit_values_pass_through(monkeypatch):
+    monkeypatch.setenv(FORCE_ENV, "0")
+    assert resolve_dtype("auto", "cuda").name == "bf16"
+    assert resolve_dtype("fp32", "cuda").name == "fp32"
+    assert resolve_dtype("bf16", "cpu").name == "bf16"
+
+
+def test_bad_values_fail_clearly(monkeypatch):
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("fp16")
+    monkeypatch.setenv(FORCE_ENV, "yes")
+    with pytest.raises(ValueError, match=FORCE_ENV):
+        resolve_dtype("auto", "cpu")
