@@ -251,15 +251,16 @@ def test_vllm_reload_after_cpu_weight_prepacking(tmp_path, tok, other_weights):
     path = build_tiny(tmp_path / "m", tok, seed=0)
     engine = VLLMEngine(path, max_model_len=1024, kv_cache_gib=0.25)
 
-    def prepack(model) -> int:
-        emptied = 0
+    def prepack(model) -> None:
         for module in model.modules():
             if isinstance(module, LinearBase) and module.weight.numel() > 0:
                 dispatch_cpu_unquantized_gemm(module, remove_weight=True)
-                emptied += module.weight.numel() == 0
-        return emptied
+                if module.weight.numel() > 0:  # this CPU has no prepack kernel (AVX2): leave
+                    module.weight = torch.nn.Parameter(  # the layer as prepacking CPUs do
+                        torch.empty(0, dtype=module.weight.dtype), requires_grad=False
+                    )
 
-    engine.llm.apply_model(prepack)  # re-prepacks whatever vLLM left unpacked here
+    engine.llm.apply_model(prepack)  # what vLLM-CPU does by itself on AVX-512 / AMX
     packed = engine.llm.apply_model(
         lambda m: sum(isinstance(x, LinearBase) and x.weight.numel() == 0 for x in m.modules())
     )[0]
