@@ -125,6 +125,7 @@ class RunStats:
     exact_staleness: int
     consumed: int
     success_curve: list[float]
+    malformed_curve: list[float]
 
 
 def run_stats(run_dir: Path, rule: CollapseRule, final_window: int = 10) -> RunStats:
@@ -163,6 +164,7 @@ def run_stats(run_dir: Path, rule: CollapseRule, final_window: int = 10) -> RunS
         exact_staleness=exact,
         consumed=consumed,
         success_curve=success,
+        malformed_curve=_series(steps, "malformed_rate"),
     )
 
 
@@ -239,43 +241,62 @@ def cells_markdown(cells: list[CellSummary], rule: CollapseRule, final_window: i
     return "\n".join(lines) + "\n"
 
 
+ROWS: tuple[tuple[str, str], ...] = (
+    ("success_curve", "training success"),
+    ("malformed_curve", "malformed answers (share)"),
+)
+"""(RunStats curve, axis title): the figure's rows."""
+
+
 def plot_cells(runs: list[RunStats], path: Path, window: int = 10) -> Path:
-    """Success curves, mean and ±1 sd band over seeds, one panel per staleness (PNG)."""
+    """Success (top row) and malformed-answer share (bottom row) per learner step, smoothed
+    over ``window`` steps: mean and ±1 sd band over seeds per variant, one column per
+    staleness (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
-
-    from services.plots import smooth
 
     lags = sorted({r.max_staleness for r in runs})
     variants = list(dict.fromkeys(r.variant for r in runs))
-    fig, axes = plt.subplots(1, len(lags), figsize=(5 * len(lags), 4), sharey=True, squeeze=False)
-    for ax, lag in zip(axes[0], lags, strict=True):
-        for i, variant in enumerate(variants):
-            curves = [smooth(r.success_curve, window) for r in runs
-                      if r.variant == variant and r.max_staleness == lag and r.success_curve]  # fmt: skip
-            if not curves:
-                continue
-            n = min(len(c) for c in curves)
-            arr = np.array([c[:n] for c in curves], dtype=float)
-            mean = np.nanmean(arr, axis=0)
-            sd = np.nanstd(arr, axis=0, ddof=1) if len(curves) > 1 else np.zeros(n)
-            x = np.arange(1, n + 1)
-            color = f"C{i}"
-            ax.plot(x, mean, color=color, label=f"{variant} (n={len(curves)})")
-            ax.fill_between(x, mean - sd, mean + sd, color=color, alpha=0.2)
-        ax.set_title(f"staleness {lag}")
+    fig, axes = plt.subplots(
+        len(ROWS), len(lags), figsize=(5 * len(lags), 3.6 * len(ROWS)), sharey="row", squeeze=False
+    )
+    for (row, title), ax_row in zip(ROWS, axes, strict=True):
+        for ax, lag in zip(ax_row, lags, strict=True):
+            _plot_panel(ax, runs, row, lag, variants, window)
+            ax.set_title(f"staleness {lag}")
+        ax_row[0].set_ylabel(f"{title} ({window}-step mean)")
+    for ax in axes[-1]:
         ax.set_xlabel("learner step")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"training success ({window}-step mean)")
     axes[0][-1].legend(loc="best", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_panel(ax, runs: list[RunStats], row: str, lag: int, variants: list[str], window: int):
+    """One panel: ``row`` curves of the runs at staleness ``lag``, mean and ±1 sd per variant."""
+    import numpy as np
+
+    from services.plots import smooth
+
+    for i, variant in enumerate(variants):
+        curves = [smooth(getattr(r, row), window) for r in runs
+                  if r.variant == variant and r.max_staleness == lag and getattr(r, row)]  # fmt: skip
+        if not curves:
+            continue
+        n = min(len(c) for c in curves)
+        arr = np.array([c[:n] for c in curves], dtype=float)
+        mean = np.nanmean(arr, axis=0)
+        sd = np.nanstd(arr, axis=0, ddof=1) if len(curves) > 1 else np.zeros(n)
+        x = np.arange(1, n + 1)
+        color = f"C{i}"
+        ax.plot(x, mean, color=color, label=f"{variant} (n={len(curves)})")
+        ax.fill_between(x, mean - sd, mean + sd, color=color, alpha=0.2)
+    ax.grid(alpha=0.3)
 
 
 def write_cells(
