@@ -24,6 +24,7 @@ the sampler never re-issues a question drawn before the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -382,6 +383,7 @@ class Driver:
         done, started = 0, time.perf_counter()
         pending = {i: shard for i, shard in enumerate(shards) if shard}
         trajectories: list[Any] = []
+        restarting: set[int] = set()  # actors that crashed and have not answered since
         for _ in range(self.cfg.ray.max_actor_restarts + 1):
             # each shard in chunks, all queued at once (an actor runs them in order), read
             # back in order per actor so that progress shows as chunks finish
@@ -407,9 +409,12 @@ class Driver:
                             slot, RuntimeError("engine lost its weights (restarted)")
                         )
                 except ray.exceptions.RayActorError as e:
-                    self._on_actor_crash(slot, e)
+                    if i not in restarting:  # one crash, however many of its chunks fail
+                        self._on_actor_crash(slot, e)
                     lost = True
+                restarting.discard(i)
                 if lost:
+                    restarting.add(i)
                     failed[i] = pending[i][k:]  # this chunk and the ones queued behind it
                     del queues[i]
                     continue
@@ -426,6 +431,9 @@ class Driver:
                 return trajectories
             for ack in list(self._pending_acks):  # the re-synced weights must land first
                 self._on_sync_ack(ack)
+            for i in failed:  # wait until Ray has restarted them (a dead one fails next round)
+                with contextlib.suppress(ray.exceptions.RayError):
+                    ray.get(self.slots[i].handle.__ray_ready__.remote(), timeout=300)
             pending = failed
         raise RuntimeError(
             f"eval[{tag}]: rollout actors {sorted(pending)} crashed "

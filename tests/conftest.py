@@ -112,3 +112,18 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) ->
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the tests that start vLLM engines in this process first.
+
+    vLLM 0.32's Triton kernel dispatcher (``vllm/triton_utils/dispatcher.py``,
+    ``_rebind_kernels``) scans every module in ``sys.modules`` when an engine starts and
+    reads ``vars(value).get(...)`` of module attributes. Once llvmlite's shared library is
+    loaded (numba, imported by earlier tests in the same process), ``llvmlite.binding.ffi.lib``
+    answers any attribute, ``__dict__`` included, with a function wrapper, and the scan dies
+    with ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``. Rollout actors
+    never hit it (an engine starts in a fresh process); a test session that starts engines
+    in-process must start them before anything loads llvmlite.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)  # stable

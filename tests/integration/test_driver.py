@@ -175,8 +175,11 @@ def test_evaluation_reruns_the_shard_of_an_actor_that_crashed(tmp_path: Path, ti
         """Dies (process exit) on its first rollout; answers one record per question after."""
 
         def rollout(self, records, greedy=False):
-            if not marker.exists():
-                marker.touch()
+            try:  # atomic: of two actors starting at once, exactly one dies
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
                 os._exit(1)
             return [SimpleNamespace(question=r["question"], policy_version_min=0) for r in records]
 
