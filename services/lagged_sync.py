@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.weight_sync import SyncHandle
+from services.weight_sync import SyncHandle, export_to_object_store
 
 
 class LaggedWeightSync:
@@ -46,18 +46,10 @@ class LaggedWeightSync:
             RuntimeError: the learner exported another version than ``policy_version``.
             ValueError: ``lag < 0``.
         """
-        import ray
-
         if lag < 0:
             raise ValueError(f"lag must be >= 0, got {lag}")
         started = time.perf_counter()
-        weights_ref, version_ref = learner.export_weights.options(num_returns=2).remote()
-        exported = ray.get(version_ref)
-        if exported != policy_version:
-            raise RuntimeError(
-                f"learner exported policy_version {exported}, driver expected {policy_version}"
-            )
-        export_s = time.perf_counter() - started
+        weights_ref, export_s = export_to_object_store(learner, policy_version)
         self._exports[policy_version] = weights_ref
         target = max(min(self._exports), policy_version - lag)
         # versions older than the target are never pushed again

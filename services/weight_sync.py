@@ -67,20 +67,31 @@ class WeightSync(Protocol):
         ...
 
 
+def export_to_object_store(learner: Any, policy_version: int) -> tuple[Any, float]:
+    """Have the learner export its weights into the object store; returns the reference and
+    the export seconds.
+
+    Raises:
+        RuntimeError: the learner exported another version than ``policy_version``.
+    """
+    import ray
+
+    started = time.perf_counter()
+    weights_ref, version_ref = learner.export_weights.options(num_returns=2).remote()
+    exported_version = ray.get(version_ref)
+    if exported_version != policy_version:
+        raise RuntimeError(
+            f"learner exported policy_version {exported_version}, driver expected {policy_version}"
+        )
+    return weights_ref, time.perf_counter() - started
+
+
 class ObjectStoreWeightSync:
     """Ray object store transport (see module docstring)."""
 
     def push(self, learner: Any, engines: list[Any], policy_version: int) -> SyncHandle:
-        import ray
-
         started = time.perf_counter()
-        weights_ref, version_ref = learner.export_weights.options(num_returns=2).remote()
-        exported_version = ray.get(version_ref)
-        if exported_version != policy_version:
-            raise RuntimeError(
-                f"learner exported policy_version {exported_version}, driver expected {policy_version}"
-            )
-        export_s = time.perf_counter() - started
+        weights_ref, export_s = export_to_object_store(learner, policy_version)
         handle = SyncHandle(policy_version, export_s, [], weights_ref, started)
         handle.acks = self.push_to(handle, engines)
         return handle
