@@ -263,6 +263,13 @@ class RayConfig(StrictModel):
                 raise ValueError(f"custom resource {name!r} must be > 0, got {amount}")
         return value
 
+    max_rollout_actors: int | None = Field(None, ge=1)
+    """Most rollout actors the cluster can hold. None = derived from the Ray cluster's
+    resources when the job starts (:func:`services.ray_actors.rollout_actor_capacity`); set
+    it where the cluster autoscales (KubeRay: the rollout group's ``maxReplicas`` x actors
+    per pod), since the nodes are not there yet at start. A ``rollout.num_actors`` above it
+    fails at start and is refused live with 422, instead of leaving actors pending."""
+
     max_actor_restarts: int = Field(3, ge=0)
     """Restarts of a crashed rollout actor before the run fails."""
 

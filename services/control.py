@@ -19,6 +19,8 @@ Hostile bodies get a 4xx, never a 500: over :data:`MAX_BODY_BYTES` (by header or
 streaming) 413; not JSON, nested deeper than :data:`MAX_BODY_DEPTH`, not an object, a
 section given as a non-object, a wrong type (strict: no ``"2"``/``true``/``"1e-5"``
 coercion), an out-of-bound value or a field that cannot change live: 422 naming the field.
+More rollout actors than the cluster holds (:attr:`ControlState.max_rollout_actors`): 422
+naming the binding resource.
 """
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ class ControlState:
 
     config: RunConfig
     status: dict[str, Any] = field(default_factory=dict)
+    max_rollout_actors: int | None = None
+    """Set by the driver from the cluster (``ray.max_rollout_actors`` or its resources);
+    a change asking for more rollout actors is refused (422) rather than left pending."""
+    capacity_reason: str = ""
     _pending: RunConfig | None = None
     _accepted: RunConfig | None = (
         None  # newest accepted config (pending, being applied, or applied)
@@ -147,10 +153,21 @@ class ControlState:
         with self._lock:
             base = self._accepted or self.config
             new = update_config(base, changes, strict=True)
+            self.check_rollout_actors(new.rollout.num_actors)
             fields = changed_fields(base, new)
             if fields:
                 self._pending = self._accepted = new
             return fields
+
+    def check_rollout_actors(self, n: int) -> None:
+        """Raise :class:`ConfigError` if ``n`` rollout actors exceed :attr:`max_rollout_actors`."""
+        cap = self.max_rollout_actors
+        if cap is not None and n > cap:
+            raise ConfigError(
+                f"rollout.num_actors={n}: the cluster holds at most {cap} rollout actor(s) "
+                f"({self.capacity_reason}); add rollout nodes, or set ray.max_rollout_actors "
+                "where the cluster autoscales"
+            )
 
     def take_pending(self) -> RunConfig | None:
         """The validated config to apply now (None if nothing changed); clears it."""

@@ -42,6 +42,17 @@ from services.env import ray_temp_dir
 log = logging.getLogger("stppo.driver")
 
 
+class RolloutActorLost(RuntimeError):
+    """A rollout actor cannot come back: its constructor raised, or its restarts are spent."""
+
+
+def _first_line_of_cause(error: Exception) -> str:
+    """The last line of a Ray creation-task traceback: the original exception, e.g.
+    ``AttributeError: 'RolloutConfig' object has no attribute 'x'``."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 @dataclass
 class RolloutSlot:
     """Driver-side bookkeeping of one rollout actor."""
@@ -53,6 +64,7 @@ class RolloutSlot:
     submitted_version: int = -1  # engine_version when the running rollout was submitted
     started_s: float = 0.0
     first_draw: int = -1  # sampler draw index of the running rollout's first question
+    crashes_in_a_row: int = 0  # crashes since its last completed rollout
 
 
 @dataclass
@@ -261,11 +273,31 @@ class Driver:
         self._closers.append(self.learner.shutdown)
         self.buffer = create_buffer_actor(self.cfg)
         ray.get(self.buffer.set_capacity.remote(self.cfg.effective_buffer_capacity))
+        self._check_rollout_capacity(ray.cluster_resources())
         self._resize_rollout_actors(self.cfg.rollout.num_actors)
         self.progress.say(
             f"{len(self.slots)} rollout actor(s), {self.learner.num_ranks} learner rank(s), "
             "1 buffer on Ray"
         )
+        if self.cfg.rollout.engine_metrics_port is not None:
+            urls = ray.get([slot.handle.metrics_url.remote() for slot in self.slots])
+            for slot, url in zip(self.slots, urls, strict=True):
+                self.progress.say(f"rollout actor {slot.index} engine metrics: {url or 'none'}")
+
+    def _check_rollout_capacity(self, cluster_total: dict[str, float]) -> None:
+        """Set the control plane's cap on ``rollout.num_actors`` and check the start value.
+
+        Raises:
+            ConfigError: ``rollout.num_actors`` exceeds the cap, which would leave actors
+                pending forever.
+        """
+        from services.ray_actors import rollout_actor_capacity
+
+        cap, why = rollout_actor_capacity(self.cfg, cluster_total)
+        if self.cfg.ray.max_rollout_actors is not None:
+            cap, why = self.cfg.ray.max_rollout_actors, "ray.max_rollout_actors"
+        self.control.max_rollout_actors, self.control.capacity_reason = cap, why
+        self.control.check_rollout_actors(self.cfg.rollout.num_actors)
 
     def _shutdown(self) -> None:
         for close in reversed(self._closers):
@@ -303,7 +335,23 @@ class Driver:
             ray.kill(slot.handle, no_restart=True)
 
     def _on_actor_crash(self, slot: RolloutSlot, error: Exception) -> None:
-        """A rollout actor died mid-batch: count it, re-sync its weights once Ray restarts it."""
+        """A rollout actor died mid-batch: count it, re-sync its weights once Ray restarts it.
+
+        Raises:
+            RolloutActorLost: its constructor raised (a bad engine config, a missing model:
+                a restart cannot help), or it crashed more than ``ray.max_actor_restarts``
+                + 1 times in a row without completing a rollout (Ray no longer restarts it).
+        """
+        slot.crashes_in_a_row += 1
+        if getattr(error, "actor_init_failed", False):
+            raise RolloutActorLost(
+                f"rollout actor {slot.index} failed to start: {_first_line_of_cause(error)}"
+            ) from error
+        if slot.crashes_in_a_row > self.cfg.ray.max_actor_restarts + 1:
+            raise RolloutActorLost(
+                f"rollout actor {slot.index} crashed {slot.crashes_in_a_row} times in a row "
+                f"(ray.max_actor_restarts = {self.cfg.ray.max_actor_restarts}): {error}"
+            ) from error
         self.state.actor_restarts += 1
         self.metrics.actor_restarts_total.inc()
         self.progress.say(
@@ -540,6 +588,7 @@ class Driver:
             self._on_actor_crash(slot, e)
             return
         slot.in_flight = None
+        slot.crashes_in_a_row = 0
         self._rollout_durations_s.append(time.perf_counter() - slot.started_s)
         if _lost_weights(trajectories, slot.submitted_version):
             # Its output is correctly stamped (and will be dropped as stale); re-sync it.

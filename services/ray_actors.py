@@ -60,6 +60,36 @@ def learner_actor_options(cfg: RunConfig, rank: int = 0) -> dict[str, Any]:
     }
 
 
+def rollout_actor_capacity(cfg: RunConfig, cluster_total: dict[str, float]) -> tuple[int, str]:
+    """How many rollout actors fit in a cluster next to the learner ranks.
+
+    Args:
+        cfg: Sizes of the actors (``ray.*_cpus``, ``*_gpus``, ``*_resources``).
+        cluster_total: ``ray.cluster_resources()`` (totals, not what is free now).
+
+    Returns:
+        ``(capacity, binding)``: the count, and which resource bounds it (for error
+        messages), e.g. ``(1, "CPU: 2 in the cluster, 1 for the learner, 1 per actor")``.
+        The learner's reservation is ``learner.num_ranks`` times its per-rank needs.
+    """
+    ranks = cfg.learner.num_ranks
+    need = {"CPU": cfg.ray.rollout_actor_cpus, "GPU": cfg.ray.rollout_actor_gpus}
+    need.update(cfg.ray.rollout_actor_resources)
+    held = {"CPU": cfg.ray.learner_cpus * ranks, "GPU": cfg.ray.learner_gpus * ranks}
+    held.update({k: v * ranks for k, v in cfg.ray.learner_resources.items()})
+    best: tuple[int, str] | None = None
+    for name, per_actor in need.items():
+        if per_actor <= 0:
+            continue
+        total, learner = cluster_total.get(name, 0.0), held.get(name, 0.0)
+        fits = max(0, int((total - learner) / per_actor + 1e-9))
+        why = f"{name}: {total:g} in the cluster, {learner:g} for the learner, {per_actor:g} per actor"
+        if best is None or fits < best[0]:
+            best = (fits, why)
+    assert best is not None  # rollout_actor_cpus > 0 by validation
+    return best
+
+
 def create_rollout_actor(cfg: RunConfig, retrieval_url: str, index: int) -> Any:
     """One rollout actor (engine + multi-turn loop), restarted by Ray up to
     ``ray.max_actor_restarts`` times after a crash (the driver re-syncs its weights)."""

@@ -166,7 +166,7 @@ def test_evaluation_reruns_the_shard_of_an_actor_that_crashed(tmp_path: Path, ti
     import ray
     from prometheus_client import CollectorRegistry
 
-    from services.driver import Driver, RolloutSlot
+    from services.driver import Driver, RolloutActorLost, RolloutSlot
     from services.metrics import TrainingMetrics
 
     marker = tmp_path / "crashed-once"
@@ -202,6 +202,28 @@ def test_evaluation_reruns_the_shard_of_an_actor_that_crashed(tmp_path: Path, ti
         driver.slots = [RolloutSlot(doomed.remote(), 0)]
         with pytest.raises(RuntimeError, match=r"eval\[end\]: rollout actors \[0\] crashed"):
             driver._rollout_shards([[{"question": "a"}]], "end")
+
+        # a constructor that raises cannot be fixed by restarts: the run stops at once,
+        # naming the cause (it used to log "crashed; restarting" in a tight loop)
+        class BadConfigWorker:
+            def __init__(self):
+                raise AttributeError("'RolloutConfig' object has no attribute 'x'")
+
+            def rollout(self, records, greedy=False):
+                return []
+
+        bad = ray.remote(BadConfigWorker).options(max_restarts=3, num_cpus=0).remote()
+        with pytest.raises(ray.exceptions.RayActorError) as died:
+            ray.get(bad.rollout.remote([]))
+        with pytest.raises(RolloutActorLost, match="failed to start: AttributeError: 'Rollout"):
+            driver._on_actor_crash(RolloutSlot(bad, 0), died.value)
+        # restarts spent: ray.max_actor_restarts + 1 crashes in a row are survived, one more not
+        slot = RolloutSlot(bad, 1)
+        limit = driver.cfg.ray.max_actor_restarts + 1
+        for _ in range(limit):
+            driver._on_actor_crash(slot, RuntimeError("killed"))
+        with pytest.raises(RolloutActorLost, match=f"crashed {limit + 1} times in a row"):
+            driver._on_actor_crash(slot, RuntimeError("killed"))
     finally:
         driver._shutdown()
 

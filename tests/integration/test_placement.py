@@ -143,6 +143,37 @@ def test_learner_on_learner_node_and_rollouts_on_rollout_nodes(kuberay_shaped_cl
         ray.kill(handle)
 
 
+def test_rollout_capacity_agrees_with_what_ray_can_place(kuberay_shaped_cluster):
+    """``rollout_actor_capacity`` on the live cluster (the cap of a live
+    ``rollout.num_actors``) is exactly what Ray places: one more actor stays pending."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    from services.ray_actors import (
+        learner_actor_options,
+        rollout_actor_capacity,
+        rollout_actor_options,
+    )
+
+    class Probe:
+        def ready(self) -> bool:
+            return True
+
+    cfg = load_config(RUN_CONFIG, ["ray.address=local"])
+    cap, why = rollout_actor_capacity(cfg, ray.cluster_resources())
+    rollout_replicas = sum(1 for role in kuberay_shaped_cluster.values() if role == "rollout")
+    assert cap == rollout_replicas, why
+    probe = ray.remote(Probe)
+    learner = probe.options(**learner_actor_options(cfg)).remote()
+    placed = [probe.options(**rollout_actor_options(cfg, i)).remote() for i in range(cap)]
+    ray.get([learner.ready.remote(), *[a.ready.remote() for a in placed]], timeout=120)
+    extra = probe.options(**rollout_actor_options(cfg, cap)).remote()
+    with pytest.raises(GetTimeoutError):
+        ray.get(extra.ready.remote(), timeout=5)
+    for handle in [learner, *placed, extra]:
+        ray.kill(handle)
+
+
 def test_actor_options_carry_the_configured_custom_resources():
     from services.ray_actors import learner_actor_options, rollout_actor_options
 

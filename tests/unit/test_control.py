@@ -286,3 +286,39 @@ def test_odd_json_is_422(served, raw):
     resp = client.patch("/config", content=raw, headers={"Content-Type": "application/json"})
     assert resp.status_code == 422, resp.text
     assert state.take_pending() is None
+
+
+def test_more_rollout_actors_than_the_cluster_holds_is_422_and_nothing_applied(served):
+    """A live ``rollout.num_actors`` above the cluster's capacity would leave actors pending
+    with no message: refused with the binding resource named; at the cap it is accepted."""
+    state, client, _ = served
+    state.max_rollout_actors, state.capacity_reason = 2, "stppo_rollout: 2 in the cluster"
+    resp = client.patch("/config", json={"rollout": {"num_actors": 3}})
+    assert resp.status_code == 422
+    detail = resp.json()["detail"]
+    assert "rollout.num_actors=3" in detail and "at most 2" in detail
+    assert "stppo_rollout: 2 in the cluster" in detail
+    assert state.take_pending() is None
+    assert client.patch("/config", json={"rollout": {"num_actors": 2}}).status_code == 202
+    assert state.take_pending().rollout.num_actors == 2
+
+
+def test_rollout_actor_capacity_counts_the_learner_and_names_the_binding_resource():
+    from services.ray_actors import rollout_actor_capacity
+
+    local = load_config(None, ["ray.rollout_actor_cpus=1.0", "ray.learner_cpus=1.0"])
+    assert rollout_actor_capacity(local, {"CPU": 2.0})[0] == 1
+    assert rollout_actor_capacity(local, {"CPU": 1.0})[0] == 0
+    ranks = load_config(
+        None,
+        [
+            "learner.num_ranks=2", "ray.learner_cpus=1.0", "ray.rollout_actor_cpus=0.5",
+            "ray.rollout_actor_gpus=1.0", "ray.learner_gpus=1.0",
+        ],
+    )  # fmt: skip
+    cap, why = rollout_actor_capacity(ranks, {"CPU": 16.0, "GPU": 5.0})
+    assert cap == 3 and why.startswith("GPU: 5 in the cluster, 2 for the learner")
+    pinned = load_config(None, ['ray.rollout_actor_resources={"stppo_rollout" = 1}'])
+    cap, why = rollout_actor_capacity(pinned, {"CPU": 64.0, "stppo_rollout": 4.0})
+    assert cap == 4 and why.startswith("stppo_rollout")
+    assert rollout_actor_capacity(pinned, {"CPU": 64.0})[0] == 0  # no rollout node yet
