@@ -93,5 +93,16 @@ class RolloutConfig(StrictModel):
     share is of the whole machine's RAM, which every other process of the job also needs
     (the main job's memory budget in README, "The main job")."""
 
+    engine_metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Where each rollout actor serves its engine's Prometheus metrics (vLLM's own
+    ``vllm:*`` series: running / waiting requests, KV-cache usage, prompt and generation
+    tokens, time to first token, ...): None = not served, 0 = a free port per actor (local
+    runs; the driver logs each URL), N = this port (Kubernetes: one actor per rollout pod,
+    scraped by ``deploy/k8s/base/podmonitors.yaml``). HF engines serve nothing."""
+
+    engine_metrics_host: str = "127.0.0.1"
+    """Interface of the engine metrics endpoint (``0.0.0.0`` in a pod, so Prometheus can
+    scrape it; the loopback default keeps a laptop's metrics off the network)."""
+
     retrieval: RetrievalClientConfig = RetrievalClientConfig()
     """Client settings for the retrieval server."""

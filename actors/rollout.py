@@ -377,7 +377,37 @@ def build_engine(model_path: str, cfg: RolloutConfig, seed: int) -> GenerationEn
         dtype="float32" if dtype.name == "fp32" else "bfloat16",
         max_model_len=cfg.max_response_tokens + 2048,
         seed=seed,
+        log_stats=cfg.engine_metrics_port is not None,
     )
+
+
+def serve_engine_metrics(engine: GenerationEngine, host: str, port: int):
+    """Serve this process's Prometheus registry, where a vLLM engine built with
+    ``log_stats=True`` records its ``vllm:*`` series, on ``host:port`` (0 = a free port).
+
+    Returns:
+        ``(url, server)`` with the bound port read back, or ``(None, None)`` for an engine
+        that records no metrics (HF, scripted).
+
+    Raises:
+        OSError: the port is taken (a fixed port with two actors on one node).
+    """
+    from actors.engines.vllm import VLLMEngine
+
+    if not isinstance(engine, VLLMEngine):
+        logger.info(
+            "rollout.engine_metrics_port is set but the %s engine records no "
+            "metrics: nothing served",
+            type(engine).__name__,
+        )
+        return None, None
+    from prometheus_client import REGISTRY, start_http_server
+
+    server, _ = start_http_server(port, addr=host, registry=REGISTRY)
+    bound = server.server_address[1]
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}/metrics"
+    logger.info("engine metrics: %s", url)
+    return url, server
 
 
 class RolloutWorker:
@@ -415,6 +445,11 @@ class RolloutWorker:
         self.total_stats = RolloutStats()
         self.last_stats = RolloutStats()
         self._batches = itertools.count()
+        self.engine_metrics_url, self._metrics_server = (None, None)
+        if rollout_cfg.engine_metrics_port is not None:
+            self.engine_metrics_url, self._metrics_server = serve_engine_metrics(
+                self.engine, rollout_cfg.engine_metrics_host, rollout_cfg.engine_metrics_port
+            )
 
     def rollout(self, records: list[dict], greedy: bool = False) -> list[Trajectory]:
         """Generate ``group_size`` episodes per record (1 per record when ``greedy``).
@@ -507,6 +542,15 @@ class RolloutWorker:
         """``{"last": stats of the last rollout, "total": since start}`` (plus the client's)."""
         return {"last": self.last_stats, "total": self.total_stats, "retrieval": self.client.stats}
 
+    def metrics_url(self) -> str | None:
+        """URL of this actor's engine metrics (None when not served); see
+        ``rollout.engine_metrics_port``."""
+        return self.engine_metrics_url
+
     def close(self) -> None:
-        """Close the HTTP connection pool."""
+        """Close the HTTP connection pool and the engine metrics endpoint."""
         self.client.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None

@@ -57,7 +57,9 @@ def main() -> int:
     gib = 2**30
     top = sorted(peak_parts.items(), key=lambda kv: -kv[1])[:12]
     print(f"[job_memory] exit {child.returncode}, wall {wall:.0f} s")
-    print(f"[job_memory] peak PSS of the process tree: {peak_total / gib:.2f} GiB at {peak_at:.0f} s")
+    print(
+        f"[job_memory] peak PSS of the process tree: {peak_total / gib:.2f} GiB at {peak_at:.0f} s"
+    )
     for label, pss in top:
         print(f"    {pss / gib:6.2f} GiB  {label}")
     if args.out is not None:

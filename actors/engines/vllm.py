@@ -53,6 +53,11 @@ class VLLMEngine:
         max_model_len: Longest prompt + response in tokens.
         seed: vLLM's sampling seed.
         enforce_eager: Keep True on CPU (compiled bf16 mode produced wrong text).
+        log_stats: Record vLLM's engine statistics in this process's Prometheus registry
+            (``prometheus_client.REGISTRY``: ``vllm:num_requests_running``,
+            ``vllm:kv_cache_usage_perc``, ``vllm:generation_tokens_total``, ...), for
+            :class:`actors.rollout.RolloutWorker` to serve. vLLM's periodic throughput log
+            line is silenced (``VLLM_LOG_STATS_INTERVAL``) unless the environment sets it.
         kv_cache_gib: Explicit KV-cache size in GiB, overriding ``gpu_memory_utilization``.
             On CPU the automatic size is ``utilization * RAM - RSS of this process``; the
             core runs in-process, so a process that already holds other models (a test
@@ -72,8 +77,12 @@ class VLLMEngine:
         seed: int = 0,
         enforce_eager: bool = True,
         kv_cache_gib: float | None = None,
+        log_stats: bool = False,
     ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if log_stats:
+            # the Prometheus series are what we want; a log line every 10 s per actor is not
+            os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", str(365 * 24 * 3600))
         try:
             from vllm import LLM
         except ImportError as e:
@@ -91,6 +100,7 @@ class VLLMEngine:
             seed=seed,
             logprobs_mode="processed_logprobs",
             kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
+            disable_log_stats=not log_stats,
         )
         from transformers import AutoTokenizer
 

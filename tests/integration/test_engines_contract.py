@@ -279,3 +279,62 @@ def test_vllm_reload_after_cpu_weight_prepacking(tmp_path, tok, other_weights):
     )
     assert gap.mean().item() < LOGPROB_MEAN_ATOL_BF16 and gap.max().item() < LOGPROB_MAX_ATOL_BF16
     assert {r.policy_version for r in after} == {1}
+
+
+def _prometheus_samples(text: str, name: str) -> list[float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    ]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+def test_rollout_worker_serves_vllm_engine_metrics(tmp_path, tok):
+    """``rollout.engine_metrics_port``: the worker serves vLLM's own Prometheus series, and
+    they count the tokens this engine generated (scraped over real HTTP)."""
+    import httpx
+
+    from actors.config import RolloutConfig
+    from actors.engines.vllm import VLLMEngine
+    from actors.rollout import RolloutWorker
+
+    path = build_tiny(tmp_path / "m", tok, seed=0)
+    engine = VLLMEngine(path, max_model_len=1024, kv_cache_gib=0.25, log_stats=True)
+    cfg = RolloutConfig(engine="vllm", engine_metrics_port=0)
+    worker = RolloutWorker(str(path), cfg, "http://127.0.0.1:9", engine=engine)
+    try:
+        url = worker.metrics_url()
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        before = _prometheus_samples(
+            httpx.get(url, timeout=30).text, "vllm:generation_tokens_total"
+        )
+        assert before == [0.0]
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, stop=())
+        results = engine.generate(prompts(tok), params)
+        text = httpx.get(url, timeout=30).text
+        generated = sum(len(r.token_ids) for r in results)
+        assert _prometheus_samples(text, "vllm:generation_tokens_total") == [float(generated)]
+        assert _prometheus_samples(text, "vllm:num_requests_running") == [0.0]
+        assert _prometheus_samples(text, "vllm:request_success_total")  # per finish reason
+    finally:
+        worker.close()
+    with pytest.raises(httpx.TransportError):  # closed with the worker
+        httpx.get(url, timeout=5)
+
+
+def test_hf_worker_serves_no_engine_metrics(tmp_path, tok):
+    """The HF engine records no engine metrics: nothing is served, and the URL says so."""
+    from actors.config import RolloutConfig
+    from actors.engines.hf import HFEngine
+    from actors.rollout import RolloutWorker
+
+    path = build_tiny(tmp_path / "m", tok, seed=0)
+    cfg = RolloutConfig(engine="hf", engine_metrics_port=0)
+    worker = RolloutWorker(str(path), cfg, "http://127.0.0.1:9", engine=HFEngine(path))
+    assert worker.metrics_url() is None
+    worker.close()

@@ -404,6 +404,56 @@ def test_ray_resources_fit_the_run_config_and_pin_each_group(overlay):
         assert cfg.rollout.engine == "vllm"
 
 
+def _cluster_at_max_replicas(spec: dict) -> dict[str, float]:
+    """``ray.cluster_resources()`` of the cluster with every worker group at maxReplicas."""
+    total: dict[str, float] = {}
+    for group in spec["workerGroupSpecs"]:
+        params = group["rayStartParams"]
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        per_pod = {"CPU": float(params["num-cpus"]), "GPU": float(limits.get("nvidia.com/gpu", 0))}
+        per_pod.update(_custom_resources(params))
+        for key, amount in per_pod.items():
+            total[key] = total.get(key, 0.0) + amount * group["maxReplicas"]
+    return total
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rollout_actor_cap_is_what_the_autoscaled_cluster_holds(overlay):
+    """``ray.max_rollout_actors`` (the 422 bound of a live ``rollout.num_actors``) equals what
+    fits when every group is at maxReplicas, next to the learner ranks."""
+    from services.ray_actors import rollout_actor_capacity
+
+    objects = rendered(overlay)
+    _, _, cfg = run_config_of(objects)
+    spec = one(objects, "RayCluster")["spec"]
+    cap, why = rollout_actor_capacity(cfg, _cluster_at_max_replicas(spec))
+    assert cfg.ray.max_rollout_actors == cap >= cfg.rollout.num_actors, why
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_vllm_metrics_are_served_by_rollout_pods_and_scraped_with_a_run_label(overlay):
+    objects = rendered(overlay)
+    _, _, cfg = run_config_of(objects)
+    groups = {g["groupName"]: g for g in one(objects, "RayCluster")["spec"]["workerGroupSpecs"]}
+    rollout = groups["rollout"]["template"]
+    assert cfg.rollout.engine == "vllm"
+    assert cfg.rollout.engine_metrics_host == "0.0.0.0"  # reachable by the scraper
+    assert cfg.rollout.engine_metrics_port == container_port(
+        rollout["spec"]["containers"][0], "vllm-metrics"
+    )
+    assert rollout["metadata"]["labels"]["stppo.io/run"] == cfg.run.name
+    (endpoint,) = [
+        e for e in _podmonitors()["stppo"]["spec"]["podMetricsEndpoints"]
+        if e["port"] == "vllm-metrics"
+    ]  # fmt: skip
+    targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    assert targets["run"] == ["__meta_kubernetes_pod_label_stppo_io_run"]
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "vllm-engines")
+    keep = next(r for r in job["relabel_configs"] if r.get("action") == "keep")
+    assert keep["regex"] == "vllm-metrics"
+
+
 def test_cpu_demo_and_gpu_overlays_differ_where_intended():
     cpu, gpu = rendered("cpu-demo"), rendered("gpu")
     assert one(cpu, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteOnce"]
@@ -731,7 +781,7 @@ def test_wait_for_retrieval_fails_clearly_at_its_deadline_and_passes_when_ready(
 def test_prometheus_k8s_config_uses_the_manifest_annotations():
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
-    assert set(jobs) == {"stppo-pods", "ray-pods"}
+    assert set(jobs) == {"stppo-pods", "ray-pods", "vllm-engines"}
     ray_keep = {
         r["source_labels"][0]: r["regex"] for r in jobs["ray-pods"]["relabel_configs"]
         if r.get("action") == "keep"
