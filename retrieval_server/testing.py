@@ -71,6 +71,10 @@ def _command(config: RetrievalServerConfig) -> list[str]:
     return args
 
 
+PORT_ATTEMPTS = 3
+"""Ports tried when ``config.port`` is 0 and another process takes the picked port first."""
+
+
 def start_server(
     config: RetrievalServerConfig,
     log_path: Path,
@@ -79,8 +83,10 @@ def start_server(
 ) -> RunningServer:
     """Build the index if needed, start ``python -m retrieval_server`` and wait for /healthz 200.
 
-    ``config.port`` 0 is replaced by a free port; ``config.host`` should be loopback.
-    ``append`` keeps what ``log_path`` already holds (a restart after a crash).
+    ``config.port`` 0 is replaced by a free port; if another process binds it before the
+    server does ("address already in use"), another one is tried, up to
+    :data:`PORT_ATTEMPTS` in all. ``config.host`` should be loopback. ``append`` keeps what
+    ``log_path`` already holds (a restart after a crash).
 
     Raises:
         ServerStartError: the process exited, /healthz said ``failed``, or it was not healthy
@@ -89,8 +95,29 @@ def start_server(
     from retrieval_server.index import build_index
 
     build_index(config)
-    if config.port == 0:
-        config = config.model_copy(update={"port": free_port(config.host)})
+    pick = config.port == 0
+    for attempt in range(PORT_ATTEMPTS if pick else 1):
+        chosen = config.model_copy(update={"port": free_port(config.host)}) if pick else config
+        appending = append or attempt > 0
+        offset = log_path.stat().st_size if appending and log_path.exists() else 0
+        server = _spawn(chosen, log_path, append=appending)
+        try:
+            _wait_healthy(server, startup_timeout_s)
+            return server
+        except ServerStartError:
+            stop_server(server)
+            with log_path.open("rb") as log:  # this attempt's lines only
+                log.seek(offset)
+                lost_race = b"address already in use" in log.read().lower()
+            if not (pick and lost_race and attempt + 1 < PORT_ATTEMPTS):
+                raise
+        except BaseException:
+            stop_server(server)
+            raise
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def _spawn(config: RetrievalServerConfig, log_path: Path, append: bool) -> RunningServer:
     url = f"http://{config.host}:{config.port}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     root = str(Path(__file__).resolve().parent.parent)
@@ -99,13 +126,7 @@ def start_server(
         process = subprocess.Popen(
             _command(config), stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=root
         )
-    server = RunningServer(url=url, process=process, config=config, log_path=log_path)
-    try:
-        _wait_healthy(server, startup_timeout_s)
-    except BaseException:
-        stop_server(server)
-        raise
-    return server
+    return RunningServer(url=url, process=process, config=config, log_path=log_path)
 
 
 def _wait_healthy(server: RunningServer, timeout_s: float) -> None:

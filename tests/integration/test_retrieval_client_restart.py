@@ -44,3 +44,37 @@ def test_search_in_flight_waits_through_a_4_s_outage(tmp_path: Path) -> None:
     assert [p.id for p in passages] == ["0", "1", "17"]
     assert waited_s > 4.0
     assert client.stats.num_retries >= 2 and client.stats.num_failures == 0
+
+
+def test_start_server_tries_another_port_when_the_picked_one_is_taken(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Port 0: the picked port is free when picked, but another process may bind it before
+    the server does. The server then exits with "address already in use" and another port
+    is tried, instead of the start (and the test or job) failing on the race."""
+    import socket
+
+    import httpx
+
+    from retrieval_server import testing
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        picks = iter([taken])
+        real_free_port = testing.free_port
+        monkeypatch.setattr(
+            testing, "free_port", lambda host="127.0.0.1": next(picks, None) or real_free_port(host)
+        )
+        config = RetrievalServerConfig(
+            corpus_path=FIXTURE_CORPUS, index_dir=tmp_path / "index", port=0
+        )
+        server = testing.start_server(config, tmp_path / "server.log")
+        try:
+            assert server.config.port != taken
+            assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
+            log = (tmp_path / "server.log").read_text().lower()
+            assert "address already in use" in log  # the first attempt lost the race
+        finally:
+            stop_server(server)

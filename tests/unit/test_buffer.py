@@ -121,3 +121,15 @@ def test_purge_stale_counts():
     buf.put([make_traj(0, "a"), make_traj(2, "b")])
     assert buf.purge_stale(learner_version=3) == 1
     assert buf.stats().dropped_stale_total == 1
+
+
+def test_capacity_bounds_stats_and_clear():
+    buf = StalenessBuffer(capacity=4, max_staleness=1)
+    buf.set_capacity(1)  # the smallest legal capacity
+    assert buf.stats().capacity == 1 and buf.free_slots() == 1
+    with pytest.raises(ValueError, match=r"^capacity must be >= 1, got 0$"):
+        buf.set_capacity(0)
+    assert buf.stats().capacity == 1  # a refused change changes nothing
+    assert buf.put([make_traj(0), make_traj(0)]) == 1
+    assert buf.stats().rejected_full_total == 1
+    assert buf.clear() == 1 and buf.stats().depth == 0 and buf.clear() == 0

@@ -14,6 +14,7 @@ from services.control import (
     changed_fields,
     create_control_app,
     is_live_field,
+    public_config,
     start_control_server,
 )
 from services.metrics import TrainingMetrics, make_asgi_app
@@ -322,3 +323,68 @@ def test_rollout_actor_capacity_counts_the_learner_and_names_the_binding_resourc
     cap, why = rollout_actor_capacity(pinned, {"CPU": 64.0, "stppo_rollout": 4.0})
     assert cap == 4 and why.startswith("stppo_rollout")
     assert rollout_actor_capacity(pinned, {"CPU": 64.0})[0] == 0  # no rollout node yet
+
+
+@pytest.mark.parametrize(
+    ("value", "depth"),
+    [(3, 0), ({}, 0), ([], 0), ({"a": 1}, 1), ([[1]], 2), ({"a": [{"b": 1}], "c": 2}, 3)],
+)
+def test_json_depth_counts_nesting(value, depth):
+    from services.control import json_depth
+
+    assert json_depth(value) == depth
+
+
+def test_refusals_name_the_fields_exactly():
+    from services.control import LIVE_FIELDS
+
+    state = ControlState(config=load_config(None))
+    with pytest.raises(ConfigError, match=r"^empty change$"):
+        state.request_change({})
+    with pytest.raises(ConfigError) as frozen:
+        state.request_change({"model": {"path": "/x"}, "learner": {"zero_stage": 3}})
+    assert str(frozen.value) == (
+        "learner.zero_stage, model.path: cannot change while the job runs "
+        f"(live fields: {', '.join(LIVE_FIELDS)})"
+    )
+    state.max_rollout_actors, state.capacity_reason = 1, "CPU: 2 in the cluster"
+    with pytest.raises(ConfigError) as over:
+        state.request_change({"rollout": {"num_actors": 2}})
+    assert str(over.value) == (
+        "rollout.num_actors=2: the cluster holds at most 1 rollout actor(s) (CPU: 2 in the "
+        "cluster); add rollout nodes, or set ray.max_rollout_actors where the cluster autoscales"
+    )
+
+
+def test_identical_configs_have_no_changed_fields_and_the_public_config_is_json():
+    """Both sides are dumped in JSON mode (a Path on one side and a str on the other would
+    report every path field as changed), and /status can serialise what it shows."""
+    cfg = load_config(None, ["run.output_dir=/tmp/somewhere"])
+    assert changed_fields(cfg, cfg) == []
+    assert changed_fields(cfg, load_config(None, ["buffer.max_staleness=3"])) != []
+    json.dumps(public_config(cfg))  # no Path objects left
+    assert public_config(cfg)["run"]["output_dir"] == "/tmp/somewhere"
+
+
+def test_write_private_creates_the_file_owner_only_from_the_start(tmp_path, monkeypatch):
+    """No window in which a new control.json is readable by others: its mode is 0600 when
+    it is created, before the explicit chmod (which covers an existing file)."""
+    import os
+    import stat
+
+    from services import control
+
+    seen: list[int] = []
+    real_fchmod = os.fchmod
+
+    def recording_fchmod(fd, mode):
+        seen.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        real_fchmod(fd, mode)
+
+    monkeypatch.setattr(control.os, "fchmod", recording_fchmod)
+    old_umask = os.umask(0o022)
+    try:
+        control.write_private(tmp_path / "new.json", "{}")
+    finally:
+        os.umask(old_umask)
+    assert seen == [0o600]

@@ -237,6 +237,10 @@ def test_closed_form_bias_gradient_equals_autograd(ratio_level, turn_advantage, 
     # The per-token closed form itself.
     closed = clip_bias_logprob_grad(logprobs, old, adv, mask, turn_ids, **kw)
     torch.testing.assert_close(closed, autograd_grad, rtol=1e-12, atol=1e-16)
+    # A shared (mini-batch) denominator scales it: D instead of this batch's own count
+    own = mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(dim=1) > 0).sum()
+    shared = clip_bias_logprob_grad(logprobs, old, adv, mask, turn_ids, **kw, agg_denominator=50)
+    torch.testing.assert_close(shared, closed * float(own) / 50, rtol=1e-12, atol=1e-16)
 
 
 # --------------------------------------------------------------------------- gradient checks

@@ -327,6 +327,53 @@ def test_value_loss_hand_computed():
     torch.testing.assert_close(values.grad, expected, rtol=0, atol=1e-12)
 
 
+def test_value_loss_aggregation_denominator_and_modes():
+    """The micro-batch path passes the mini-batch's denominator; seq-mean-token-mean
+    averages each sequence first (mutation testing found both unchecked)."""
+    values = torch.tensor([[1.0, 2.0, 7.0, 0.0], [3.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    old = torch.tensor([[0.5, 2.0, 0.0, 0.5], [3.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    returns = torch.tensor([[2.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0]])
+    row0, row1 = 0.5 * 3.69, 0.5 * 4.0  # summed per-token losses (row 1: (3 - 1)^2 = 4)
+    token = compute_value_loss(values, old, returns, mask, value_clip=0.2)
+    assert token.loss.item() == pytest.approx((row0 + row1) / 4, abs=1e-12)
+    shared = compute_value_loss(values, old, returns, mask, value_clip=0.2, agg_denominator=10)
+    assert shared.loss.item() == pytest.approx((row0 + row1) / 10, abs=1e-12)
+    seq = compute_value_loss(
+        values, old, returns, mask, value_clip=0.2, loss_agg_mode="seq-mean-token-mean"
+    )
+    assert seq.loss.item() == pytest.approx((row0 / 3 + row1 / 1) / 2, abs=1e-12)
+    assert token.metrics["return_mean"].item() == pytest.approx((2 + 1 + 1 + 1) / 4)
+    assert token.metrics["value_loss"].item() == token.loss.item()
+
+
+@pytest.mark.parametrize("name", ["old_values", "returns", "loss_mask"])
+def test_value_loss_names_the_input_of_the_wrong_shape(name):
+    values = torch.zeros(1, 4)
+    inputs = {"old_values": torch.zeros(1, 4), "returns": torch.zeros(1, 4),
+              "loss_mask": torch.ones(1, 4)}  # fmt: skip
+    inputs[name] = inputs[name][:, :3]
+    with pytest.raises(ValueError, match=rf"^{name} shape \(1, 3\) != values shape \(1, 4\)"):
+        compute_value_loss(values, **inputs, value_clip=0.2)
+    with pytest.raises(ValueError, match=r"^value_clip must be > 0, got 0.0"):
+        compute_value_loss(values, torch.zeros(1, 4), torch.zeros(1, 4), torch.ones(1, 4),
+                           value_clip=0.0)  # fmt: skip
+
+
+def test_kl_clamps_the_log_ratio_on_both_sides_before_exp():
+    """k3 at log-ratios of -30 and +30 uses +-LOG_RATIO_CLAMP (20), and low_var_kl then
+    bounds it at 10 (k3 >= 0, so its lower bound of -10 can never act)."""
+    logp = torch.tensor([[-30.0, -1.0, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[0.0, -1.0, -30.0]], dtype=torch.float64)
+    k3 = kl_penalty(logp, ref, "k3")
+    expected = torch.tensor([[e(20.0) - 21.0, 0.0, e(-20.0) + 19.0]], dtype=torch.float64)
+    torch.testing.assert_close(k3, expected, rtol=1e-12, atol=1e-9)
+    low = kl_penalty(logp, ref, "low_var_kl")
+    torch.testing.assert_close(low, torch.tensor([[10.0, 0.0, 10.0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^ref_logprobs shape \(1, 2\) != logprobs shape"):
+        kl_penalty(logp, ref[:, :2], "k1")
+
+
 def test_kl_penalty_k1_k3():
     logp = torch.tensor([[-1.0, -2.0, -0.5]])
     ref = torch.tensor([[-1.5, -2.0, -0.3]])
