@@ -57,11 +57,14 @@ def routable_ip() -> str:
     return "127.0.0.1"
 
 
-def free_port() -> int:
-    """A TCP port free on all interfaces now (for rank 0's store)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def bind_master_store(timeout_s: float = 300.0) -> dist.TCPStore:
+    """Rank 0's ``TCPStore``, listening now on a port the OS picks (port 0; read it back
+    with ``.port``), so no other process can take the port between picking and binding it.
+    Hand it to :class:`WeightGroup` as ``store``."""
+    return dist.TCPStore(
+        "0.0.0.0", 0, is_master=True, timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )  # fmt: skip
 
 
 class WeightGroup:
@@ -74,6 +77,8 @@ class WeightGroup:
         world_size: 1 + number of engines.
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
         timeout_s: how long a member waits for the others (joining, and each broadcast).
+        store: rank 0 only: its store already bound by :func:`bind_master_store` (``port``
+            must be its port); None binds ``port`` here.
 
     Raises:
         ValueError: a bad rank, world size or backend.
@@ -88,6 +93,7 @@ class WeightGroup:
         world_size: int,
         backend: str = "gloo",
         timeout_s: float = 300.0,
+        store: dist.TCPStore | None = None,
     ) -> None:
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(
@@ -102,9 +108,16 @@ class WeightGroup:
             if backend == "nccl"
             else torch.device("cpu")
         )
-        self.store = dist.TCPStore(
-            host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-        )
+        if store is not None:
+            if rank != 0 or store.port != port:
+                raise ValueError(f"a bound store is rank 0's on its own port ({store.port})")
+            store.set_timeout(timeout)
+            self.store = store
+        else:
+            self.store = dist.TCPStore(
+                host, port, world_size, is_master=rank == 0, timeout=timeout,
+                wait_for_workers=False,
+            )  # fmt: skip
         prefixed = dist.PrefixStore("stppo-weights", self.store)
         if backend == "gloo":
             self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)

@@ -1245,11 +1245,13 @@ class Learner:
     # ------------------------------------------------------------------ collective weight sync
 
     def weight_group_address(self) -> tuple[str, int]:
-        """(routable IP, free port) of this host, where rank 0 hosts the weight-sync group's
-        store (``sync.transport = "collective"``, :mod:`actors.weight_group`)."""
-        from actors.weight_group import free_port, routable_ip
+        """(routable IP, port) where rank 0 hosts the weight-sync group's store
+        (``sync.transport = "collective"``, :mod:`actors.weight_group`). The store is bound
+        here, on a port the OS picks, and kept for :meth:`join_weight_group`."""
+        from actors.weight_group import bind_master_store, routable_ip
 
-        return routable_ip(), free_port()
+        self._weight_store = bind_master_store()
+        return routable_ip(), self._weight_store.port
 
     def join_weight_group(
         self, host: str, port: int, world_size: int, backend: str, timeout_s: float
@@ -1264,7 +1266,10 @@ class Learner:
         if self.rank != 0:
             return []
         self.leave_weight_group()
-        self._weight_group = WeightGroup(host, port, 0, world_size, backend, timeout_s)
+        store, self._weight_store = getattr(self, "_weight_store", None), None
+        if store is not None and store.port != port:
+            store = None  # an address from another call: bind the port given
+        self._weight_group = WeightGroup(host, port, 0, world_size, backend, timeout_s, store)
         self._weight_metas = metas
         return metas
 

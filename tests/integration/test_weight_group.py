@@ -25,24 +25,27 @@ from test_engines_contract import (
 )
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from actors.weight_group import free_port, tensor_metas
+from actors.weight_group import tensor_metas
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 TIMEOUT_S = 240.0
 
 
-def _sender(port: int, world: int, new_dir: str, out: mp.Queue) -> None:
-    from actors.weight_group import WeightGroup
+def _sender(ports: mp.Queue, world: int, new_dir: str, out: mp.Queue) -> None:
+    from actors.weight_group import WeightGroup, bind_master_store
 
+    store = bind_master_store(TIMEOUT_S)  # bound once, then its port is handed over
+    for _ in range(world - 1):
+        ports.put(store.port)
     model = LlamaForCausalLM.from_pretrained(new_dir, dtype=torch.bfloat16)
     state = model.state_dict()
-    group = WeightGroup("127.0.0.1", port, 0, world, "gloo", TIMEOUT_S)
+    group = WeightGroup("127.0.0.1", store.port, 0, world, "gloo", TIMEOUT_S, store=store)
     sent = group.send(state, tensor_metas(state), version=7)
     out.put(("sender", sent))
     group.close()
 
 
-def _receiver(kind: str, rank: int, port: int, world: int, old_dir: str, metas, ps, out) -> None:
+def _receiver(kind: str, rank: int, ports, world: int, old_dir: str, metas, ps, out) -> None:
     from actors.engines.protocol import SamplingParams
     from actors.weight_group import WeightGroup
 
@@ -54,6 +57,7 @@ def _receiver(kind: str, rank: int, port: int, world: int, old_dir: str, metas, 
         from actors.engines.vllm import VLLMEngine
 
         engine = VLLMEngine(old_dir, max_model_len=1024, kv_cache_gib=0.25)
+    port = ports.get(timeout=TIMEOUT_S)
     group = WeightGroup("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S)
     version, tensors = group.receive(metas)
     engine.load_weights(dict(tensors), version)
@@ -77,11 +81,11 @@ def test_broadcast_reaches_vllm_and_hf_engines_and_their_logprobs_are_the_learne
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port, world = free_port(), 3
+    ports, world = ctx.Queue(), 3
     procs = [
-        ctx.Process(target=_sender, args=(port, world, str(new_dir), out)),
-        ctx.Process(target=_receiver, args=("vllm", 1, port, world, str(old_dir), metas, ps, out)),
-        ctx.Process(target=_receiver, args=("hf", 2, port, world, str(old_dir), metas, ps, out)),
+        ctx.Process(target=_sender, args=(ports, world, str(new_dir), out)),
+        ctx.Process(target=_receiver, args=("vllm", 1, ports, world, str(old_dir), metas, ps, out)),
+        ctx.Process(target=_receiver, args=("hf", 2, ports, world, str(old_dir), metas, ps, out)),
     ]
     for p in procs:
         p.start()
