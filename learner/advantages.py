@@ -10,7 +10,8 @@
 - :func:`whiten`: zero-mean / unit-variance normalisation over masked tokens.
 - :func:`turn_ids_from_mask`: turns as maximal runs of ones of ``loss_mask``.
 
-All functions run under ``no_grad`` and return detached tensors.
+All functions run under ``no_grad`` and return detached tensors (a ``with`` block, not the
+decorator: mutation testing, ``make mutation``, skips decorated functions).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ def _check_same_shape(reference_name: str, reference: Tensor, **others: Tensor) 
             )
 
 
-@torch.no_grad()
 def compute_gae(
     token_rewards: Tensor,
     values: Tensor,
@@ -85,35 +85,37 @@ def compute_gae(
     Example: rewards ``[[0, 0, 1]]``, values ``[[.5, 9, .8]]``, mask ``[[1, 0, 1]]``,
     gamma = lam = 1 gives advantages ``[[.5, 0, .2]]`` and returns ``[[1, 0, 1]]``.
     """
-    if token_rewards.dim() != 2:
-        raise ValueError(f"token_rewards must be [B, T], got shape {tuple(token_rewards.shape)}")
-    _check_same_shape("token_rewards", token_rewards, values=values, loss_mask=loss_mask)
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    if not 0.0 <= lam <= 1.0:
-        raise ValueError(f"lam must be in [0, 1], got {lam}")
-    policy = loss_mask != 0
-    if (token_rewards.ne(0) & ~policy).any():
-        raise ValueError("token_rewards must be 0 where loss_mask is 0 (environment tokens)")
-    dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
-    rewards = token_rewards.to(dtype)
-    vals = torch.where(policy, values.to(dtype), torch.zeros((), dtype=dtype))
-    batch, seq_len = rewards.shape
-    next_value = rewards.new_zeros(batch)
-    next_adv = rewards.new_zeros(batch)
-    advantages = torch.zeros_like(rewards)
-    for t in range(seq_len - 1, -1, -1):
-        on = policy[:, t]
-        delta = rewards[:, t] + gamma * next_value - vals[:, t]
-        adv_t = delta + gamma * lam * next_adv
-        advantages[:, t] = torch.where(on, adv_t, torch.zeros_like(adv_t))
-        next_value = torch.where(on, vals[:, t], next_value)
-        next_adv = torch.where(on, adv_t, next_adv)
-    returns = torch.where(policy, advantages + vals, torch.zeros_like(advantages))
-    return GAEOutput(advantages=advantages, returns=returns)
+    with torch.no_grad():
+        if token_rewards.dim() != 2:
+            raise ValueError(
+                f"token_rewards must be [B, T], got shape {tuple(token_rewards.shape)}"
+            )
+        _check_same_shape("token_rewards", token_rewards, values=values, loss_mask=loss_mask)
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+        if not 0.0 <= lam <= 1.0:
+            raise ValueError(f"lam must be in [0, 1], got {lam}")
+        policy = loss_mask != 0
+        if (token_rewards.ne(0) & ~policy).any():
+            raise ValueError("token_rewards must be 0 where loss_mask is 0 (environment tokens)")
+        dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+        rewards = token_rewards.to(dtype)
+        vals = torch.where(policy, values.to(dtype), torch.zeros((), dtype=dtype))
+        batch, seq_len = rewards.shape
+        next_value = rewards.new_zeros(batch)
+        next_adv = rewards.new_zeros(batch)
+        advantages = torch.zeros_like(rewards)
+        for t in range(seq_len - 1, -1, -1):
+            on = policy[:, t]
+            delta = rewards[:, t] + gamma * next_value - vals[:, t]
+            adv_t = delta + gamma * lam * next_adv
+            advantages[:, t] = torch.where(on, adv_t, torch.zeros_like(adv_t))
+            next_value = torch.where(on, vals[:, t], next_value)
+            next_adv = torch.where(on, adv_t, next_adv)
+        returns = torch.where(policy, advantages + vals, torch.zeros_like(advantages))
+        return GAEOutput(advantages=advantages, returns=returns)
 
 
-@torch.no_grad()
 def group_relative_advantages(
     rewards: Tensor, group_ids: Tensor, *, std_normalize: bool, eps: float
 ) -> Tensor:
@@ -139,46 +141,50 @@ def group_relative_advantages(
 
     Example: rewards ``[1, 0, 1, 1]`` in one group: mean .75, std .5 -> ``[.5, -1.5, .5, .5]``.
     """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
-    _check_same_shape("rewards", rewards, group_ids=group_ids)
-    if group_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"group_ids must be int64, got {group_ids.dtype}")
-    if eps <= 0.0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
-    r = rewards.to(dtype)
-    _, group_index = torch.unique(group_ids, return_inverse=True)
-    num_groups = int(group_index.max()) + 1
-    counts = r.new_zeros(num_groups).scatter_add(0, group_index, torch.ones_like(r))
-    if (counts < 2).any():
-        singles = torch.unique(group_ids[(counts < 2)[group_index]]).tolist()
-        raise ValueError(f"groups of size 1 have no baseline (group_ids {singles})")
-    mean = r.new_zeros(num_groups).scatter_add(0, group_index, r) / counts
-    centered = r - mean[group_index]
-    if not std_normalize:
-        return centered
-    sq = r.new_zeros(num_groups).scatter_add(0, group_index, centered.square())
-    std = (sq / (counts - 1)).sqrt()
-    return centered / (std[group_index] + eps)
+    with torch.no_grad():
+        if rewards.dim() != 1:
+            raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
+        _check_same_shape("rewards", rewards, group_ids=group_ids)
+        if group_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"group_ids must be int64, got {group_ids.dtype}")
+        if eps <= 0.0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+        r = rewards.to(dtype)
+        _, group_index = torch.unique(group_ids, return_inverse=True)
+        num_groups = int(group_index.max()) + 1
+        counts = r.new_zeros(num_groups).scatter_add(0, group_index, torch.ones_like(r))
+        if (counts < 2).any():
+            singles = torch.unique(group_ids[(counts < 2)[group_index]]).tolist()
+            raise ValueError(f"groups of size 1 have no baseline (group_ids {singles})")
+        mean = r.new_zeros(num_groups).scatter_add(0, group_index, r) / counts
+        centered = r - mean[group_index]
+        if not std_normalize:
+            return centered
+        sq = r.new_zeros(num_groups).scatter_add(0, group_index, centered.square())
+        std = (sq / (counts - 1)).sqrt()
+        return centered / (std[group_index] + eps)
 
 
-@torch.no_grad()
 def broadcast_sequence_advantages(advantages: Tensor, loss_mask: Tensor) -> Tensor:
     """Per-trajectory advantages [B] copied onto the policy tokens: float [B, T], 0 elsewhere.
 
     Raises:
         ValueError: ``advantages`` not [B] with B = ``loss_mask.shape[0]``.
     """
-    if advantages.dim() != 1 or loss_mask.dim() != 2 or advantages.shape[0] != loss_mask.shape[0]:
-        raise ValueError(
-            f"advantages must be [B] and loss_mask [B, T], got {tuple(advantages.shape)} "
-            f"and {tuple(loss_mask.shape)}"
-        )
-    return advantages.unsqueeze(1) * (loss_mask != 0).to(advantages.dtype)
+    with torch.no_grad():
+        if (
+            advantages.dim() != 1
+            or loss_mask.dim() != 2
+            or advantages.shape[0] != loss_mask.shape[0]
+        ):
+            raise ValueError(
+                f"advantages must be [B] and loss_mask [B, T], got {tuple(advantages.shape)} "
+                f"and {tuple(loss_mask.shape)}"
+            )
+        return advantages.unsqueeze(1) * (loss_mask != 0).to(advantages.dtype)
 
 
-@torch.no_grad()
 def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
     """Normalise ``values`` to unit variance over masked entries (and zero mean by default).
 
@@ -199,21 +205,21 @@ def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1
 
     Example: values ``[1, 2, 3, 100]``, mask ``[1, 1, 1, 0]``: mean 2, var 1 -> ``[-1, 0, 1, 0]``.
     """
-    _check_same_shape("values", values, mask=mask)
-    m = (mask != 0).to(values.dtype)
-    count = m.sum()
-    if count < 2:
-        raise ValueError(f"whiten needs at least 2 masked entries, got {int(count)}")
-    x = torch.where(m > 0, values, torch.zeros_like(values))
-    mean = x.sum() / count
-    var = ((x - mean).square() * m).sum() / (count - 1)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return out * m
+    with torch.no_grad():
+        _check_same_shape("values", values, mask=mask)
+        m = (mask != 0).to(values.dtype)
+        count = m.sum()
+        if count < 2:
+            raise ValueError(f"whiten needs at least 2 masked entries, got {int(count)}")
+        x = torch.where(m > 0, values, torch.zeros_like(values))
+        mean = x.sum() / count
+        var = ((x - mean).square() * m).sum() / (count - 1)
+        out = (x - mean) * torch.rsqrt(var + eps)
+        if not shift_mean:
+            out = out + mean
+        return out * m
 
 
-@torch.no_grad()
 def turn_ids_from_mask(loss_mask: Tensor) -> Tensor:
     """Turn index of every token: turn k = the k-th maximal run of ones in a row of the mask.
 
@@ -228,10 +234,11 @@ def turn_ids_from_mask(loss_mask: Tensor) -> Tensor:
 
     Example: ``[[1, 1, 0, 0, 1, 0, 1]]`` -> ``[[0, 0, -1, -1, 1, -1, 2]]``.
     """
-    if loss_mask.dim() != 2:
-        raise ValueError(f"loss_mask must be [B, T], got shape {tuple(loss_mask.shape)}")
-    on = loss_mask != 0
-    previous = torch.nn.functional.pad(on[:, :-1], (1, 0), value=False)
-    starts = on & ~previous
-    turn = starts.long().cumsum(dim=1) - 1
-    return torch.where(on, turn, torch.full_like(turn, -1))
+    with torch.no_grad():
+        if loss_mask.dim() != 2:
+            raise ValueError(f"loss_mask must be [B, T], got shape {tuple(loss_mask.shape)}")
+        on = loss_mask != 0
+        previous = torch.nn.functional.pad(on[:, :-1], (1, 0), value=False)
+        starts = on & ~previous
+        turn = starts.long().cumsum(dim=1) - 1
+        return torch.where(on, turn, torch.full_like(turn, -1))

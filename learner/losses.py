@@ -865,7 +865,6 @@ def compute_policy_loss(
     return PolicyLossOutput(loss=loss, metrics=metrics)
 
 
-@torch.no_grad()
 def _policy_metrics(
     parts: _SurrogateParts,
     clipped: Tensor,
@@ -874,39 +873,40 @@ def _policy_metrics(
     norm_sq: Tensor,
     scale: Tensor,
 ) -> dict[str, Tensor]:
-    ratios = parts.ratios
-    mask = ratios.segment_ids.reshape(clipped.shape) < clipped.numel()
-    maskf = mask.to(pg_loss.dtype)
-    ratio = parts.ratio.detach()
-    num_segments = clipped.numel() + 1
-    clipped_per_turn = segment_sum(
-        clipped.to(pg_loss.dtype).reshape(-1), ratios.segment_ids, num_segments
-    )
-    turns = ratios.segment_sizes[:-1] > 0
-    num_turns = turns.sum().to(pg_loss.dtype)
-    clipped_turns = (clipped_per_turn[:-1] > 0).sum().to(pg_loss.dtype)
-    token_log_ratio = ratios.token_log_ratio.detach()
-    return {
-        "pg_loss": pg_loss.detach(),
-        "clip_ratio": masked_mean(clipped.to(pg_loss.dtype), maskf),
-        "clip_ratio_high": masked_mean(parts.clip.high.to(pg_loss.dtype), maskf),
-        "clip_ratio_low": masked_mean(parts.clip.low.to(pg_loss.dtype), maskf),
-        "clip_ratio_dual": masked_mean(parts.clip.dual.to(pg_loss.dtype), maskf),
-        "clip_ratio_turn": clipped_turns / num_turns.clamp_min(1.0),
-        "token_bound_ratio": masked_mean(ratios.token_bounded.to(pg_loss.dtype), maskf),
-        "approx_kl": masked_mean(-token_log_ratio, maskf),
-        "token_log_ratio_abs_max": torch.where(
-            mask, token_log_ratio.abs(), torch.zeros_like(token_log_ratio)
-        ).max(),
-        "clip_bias_norm": norm.detach(),
-        "clip_bias_norm_sq": norm_sq.detach(),
-        "clip_bias_scale": scale.detach(),
-        "ratio_mean": masked_mean(ratio, maskf),
-        "ratio_max": torch.where(mask, ratio, torch.full_like(ratio, -torch.inf)).max(),
-        "ratio_min": torch.where(mask, ratio, torch.full_like(ratio, torch.inf)).min(),
-        "num_tokens": maskf.sum(),
-        "num_turns": num_turns,
-    }
+    with torch.no_grad():
+        ratios = parts.ratios
+        mask = ratios.segment_ids.reshape(clipped.shape) < clipped.numel()
+        maskf = mask.to(pg_loss.dtype)
+        ratio = parts.ratio.detach()
+        num_segments = clipped.numel() + 1
+        clipped_per_turn = segment_sum(
+            clipped.to(pg_loss.dtype).reshape(-1), ratios.segment_ids, num_segments
+        )
+        turns = ratios.segment_sizes[:-1] > 0
+        num_turns = turns.sum().to(pg_loss.dtype)
+        clipped_turns = (clipped_per_turn[:-1] > 0).sum().to(pg_loss.dtype)
+        token_log_ratio = ratios.token_log_ratio.detach()
+        return {
+            "pg_loss": pg_loss.detach(),
+            "clip_ratio": masked_mean(clipped.to(pg_loss.dtype), maskf),
+            "clip_ratio_high": masked_mean(parts.clip.high.to(pg_loss.dtype), maskf),
+            "clip_ratio_low": masked_mean(parts.clip.low.to(pg_loss.dtype), maskf),
+            "clip_ratio_dual": masked_mean(parts.clip.dual.to(pg_loss.dtype), maskf),
+            "clip_ratio_turn": clipped_turns / num_turns.clamp_min(1.0),
+            "token_bound_ratio": masked_mean(ratios.token_bounded.to(pg_loss.dtype), maskf),
+            "approx_kl": masked_mean(-token_log_ratio, maskf),
+            "token_log_ratio_abs_max": torch.where(
+                mask, token_log_ratio.abs(), torch.zeros_like(token_log_ratio)
+            ).max(),
+            "clip_bias_norm": norm.detach(),
+            "clip_bias_norm_sq": norm_sq.detach(),
+            "clip_bias_scale": scale.detach(),
+            "ratio_mean": masked_mean(ratio, maskf),
+            "ratio_max": torch.where(mask, ratio, torch.full_like(ratio, -torch.inf)).max(),
+            "ratio_min": torch.where(mask, ratio, torch.full_like(ratio, torch.inf)).min(),
+            "num_tokens": maskf.sum(),
+            "num_turns": num_turns,
+        }
 
 
 # --------------------------------------------------------------------------- off-policy weights
@@ -927,7 +927,6 @@ class BehaviorWeights:
     metrics: dict[str, Tensor]
 
 
-@torch.no_grad()
 def behavior_importance_weights(
     proximal_logprobs: Tensor,
     behavior_logprobs: Tensor,
@@ -962,30 +961,31 @@ def behavior_importance_weights(
     Raises:
         ValueError: mismatched shapes, ``cap <= 1`` or an unknown mode/level.
     """
-    if proximal_logprobs.shape != behavior_logprobs.shape:
-        raise ValueError(
-            f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != "
-            f"proximal_logprobs shape {tuple(proximal_logprobs.shape)}"
+    with torch.no_grad():
+        if proximal_logprobs.shape != behavior_logprobs.shape:
+            raise ValueError(
+                f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != "
+                f"proximal_logprobs shape {tuple(proximal_logprobs.shape)}"
+            )
+        if not cap > 1.0:
+            raise ValueError(f"behavior weight cap must be > 1, got {cap}")
+        _check_mode("mode", mode, ("truncate", "drop"))
+        ratios = importance_log_ratios(
+            proximal_logprobs, behavior_logprobs, loss_mask, turn_ids, ratio_level=level
         )
-    if not cap > 1.0:
-        raise ValueError(f"behavior weight cap must be > 1, got {cap}")
-    _check_mode("mode", mode, ("truncate", "drop"))
-    ratios = importance_log_ratios(
-        proximal_logprobs, behavior_logprobs, loss_mask, turn_ids, ratio_level=level
-    )
-    maskf = (loss_mask != 0).to(ratios.log_ratio.dtype)
-    raw = torch.exp(ratios.log_ratio) * maskf
-    above = (raw > cap) & (maskf > 0)
-    if mode == "truncate":
-        weights = raw.clamp(max=cap)
-    else:
-        weights = torch.where(above, torch.zeros_like(raw), raw)
-    metrics = {
-        "behavior_weight_mean": masked_mean(raw, maskf),
-        "behavior_weight_max": raw.max(),
-        "behavior_weight_capped": masked_mean(above.to(raw.dtype), maskf),
-    }
-    return BehaviorWeights(weights=weights * maskf, metrics=metrics)
+        maskf = (loss_mask != 0).to(ratios.log_ratio.dtype)
+        raw = torch.exp(ratios.log_ratio) * maskf
+        above = (raw > cap) & (maskf > 0)
+        if mode == "truncate":
+            weights = raw.clamp(max=cap)
+        else:
+            weights = torch.where(above, torch.zeros_like(raw), raw)
+        metrics = {
+            "behavior_weight_mean": masked_mean(raw, maskf),
+            "behavior_weight_max": raw.max(),
+            "behavior_weight_capped": masked_mean(above.to(raw.dtype), maskf),
+        }
+        return BehaviorWeights(weights=weights * maskf, metrics=metrics)
 
 
 # --------------------------------------------------------------------------- value, KL, entropy
