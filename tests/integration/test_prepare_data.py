@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -97,8 +96,7 @@ def test_model_folder_is_plain_bf16(model_dir: Path) -> None:
 def test_second_prepare_only_verifies(data_dir: Path) -> None:
     from services.prepare.run import run_prepare
 
-    start = time.perf_counter()
     report = run_prepare(data_dir)
     assert [s.name for s in report.steps] == ["model", "corpus", "qa"]
-    assert not any(s.built for s in report.steps)
-    assert time.perf_counter() - start < 30
+    assert not any(s.built for s in report.steps)  # verified, nothing rebuilt (no timing:
+    # a wall-clock bound fails on a loaded machine without saying anything about the code)

@@ -45,6 +45,7 @@ def test_no_retry_starts_after_the_deadline() -> None:
     with pytest.raises(RetrievalFailed) as info:
         client.retrieve(["q"])
     elapsed_s = time.monotonic() - start
-    # ~1 s of retries every 0.1-0.2 s, then it gives up: bounded by the deadline, not the count
-    assert 0.5 < elapsed_s < 1.5
+    # ~1 s of retries every 0.1-0.2 s, then it gives up: bounded by the deadline, not by the
+    # count (1000 retries would take > 100 s); generous above for a loaded machine
+    assert 0.5 < elapsed_s < 10.0
     assert 4 <= info.value.attempts < 30
