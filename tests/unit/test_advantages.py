@@ -157,3 +157,77 @@ def test_turn_ids_from_mask():
     torch.testing.assert_close(out, expected)
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         turn_ids_from_mask(mask[0])
+
+
+# ---------------------------------------------------------------- input contracts (mutation
+# testing found these unchecked: messages, boundaries, the dtype of the result)
+
+
+def test_gae_accepts_the_closed_interval_and_names_bad_inputs():
+    rewards = torch.tensor([[0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.25]])
+    mask = torch.tensor([[1, 1]])
+    myopic = compute_gae(rewards, values, mask, gamma=0.0, lam=0.0)  # gamma = 0 is legal
+    torch.testing.assert_close(myopic.advantages, torch.tensor([[-0.5, 0.75]]))
+    with pytest.raises(ValueError, match=r"^lam must be in \[0, 1\], got 1.5$"):
+        compute_gae(rewards, values, mask, gamma=1.0, lam=1.5)
+    with pytest.raises(ValueError, match=r"^gamma must be in \[0, 1\], got -0.1$"):
+        compute_gae(rewards, values, mask, gamma=-0.1, lam=1.0)
+    with pytest.raises(ValueError, match=r"^token_rewards must be \[B, T\], got shape \(2,\)$"):
+        compute_gae(rewards[0], values[0], mask[0], gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match=r"^values shape \(1, 1\) != token_rewards shape"):
+        compute_gae(rewards, values[:, :1], mask, gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match=r"^loss_mask shape \(1, 1\) != token_rewards shape"):
+        compute_gae(rewards, values, mask[:, :1], gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match=r"^token_rewards must be 0 where loss_mask is 0"):
+        compute_gae(rewards, values, torch.tensor([[1, 0]]), gamma=1.0, lam=1.0)
+
+
+def test_advantages_are_float32_for_low_precision_inputs():
+    """bf16 critic values and int rewards still give float32 advantages (the documented
+    dtype), not bf16 ones that round every advantage to 3 significant digits."""
+    mask = torch.tensor([[1, 1, 0, 1]])
+    values = torch.tensor([[0.3, 0.7, 0.0, 0.1]], dtype=torch.bfloat16)
+    rewards = torch.tensor([[0, 0, 0, 1]], dtype=torch.int64)
+    gae = compute_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert gae.advantages.dtype == gae.returns.dtype == torch.float32
+    grpo = group_relative_advantages(
+        torch.tensor([1, 0, 1, 1], dtype=torch.int64), torch.tensor([7, 7, 7, 7]),
+        std_normalize=True, eps=1e-6,
+    )  # fmt: skip
+    assert grpo.dtype == torch.float32
+    torch.testing.assert_close(grpo, torch.tensor([0.5, -1.5, 0.5, 0.5]), atol=1e-5, rtol=0)
+    tokens = broadcast_sequence_advantages(
+        torch.tensor([0.5, -1.0]), torch.tensor([[1, 0], [1, 1]])
+    )
+    assert tokens.dtype == torch.float32
+    half = whiten(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), torch.tensor([1, 1, 1]))
+    assert half.dtype == torch.float64
+
+
+def test_group_and_broadcast_contracts():
+    rewards, groups = torch.tensor([1.0, 0.0]), torch.tensor([3, 3])
+    with pytest.raises(ValueError, match=r"^eps must be > 0, got 0.0$"):
+        group_relative_advantages(rewards, groups, std_normalize=True, eps=0.0)
+    with pytest.raises(ValueError, match=r"^group_ids shape \(3,\) != rewards shape \(2,\)$"):
+        group_relative_advantages(rewards, torch.tensor([3, 3, 3]), std_normalize=True, eps=1e-6)
+    bad = {
+        "1-D mask": (torch.tensor([0.5]), torch.tensor([1, 1])),
+        "2-D advantages": (torch.tensor([[0.5]]), torch.tensor([[1, 1]])),
+        "rows differ": (torch.tensor([0.5, 1.0, 2.0]), torch.tensor([[1, 1], [1, 0]])),
+    }
+    for name, (adv, mask) in bad.items():
+        with pytest.raises(
+            ValueError, match=r"^advantages must be \[B\] and loss_mask \[B, T\], got"
+        ):
+            broadcast_sequence_advantages(adv, mask)
+        assert name
+
+
+def test_whiten_needs_two_entries_and_two_are_enough():
+    two = whiten(torch.tensor([1.0, 3.0, 50.0]), torch.tensor([1, 1, 0]))
+    torch.testing.assert_close(two, torch.tensor([-(2**-0.5), 2**-0.5, 0.0]), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"^whiten needs at least 2 masked entries, got 1$"):
+        whiten(torch.tensor([1.0, 3.0]), torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match=r"^mask shape \(1,\) != values shape \(2,\)$"):
+        whiten(torch.tensor([1.0, 3.0]), torch.tensor([1]))

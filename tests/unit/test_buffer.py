@@ -127,6 +127,7 @@ def test_capacity_bounds_stats_and_clear():
     buf = StalenessBuffer(capacity=4, max_staleness=1)
     buf.set_capacity(1)  # the smallest legal capacity
     assert buf.stats().capacity == 1 and buf.free_slots() == 1
+    assert buf.stats().max_staleness == 1
     with pytest.raises(ValueError, match=r"^capacity must be >= 1, got 0$"):
         buf.set_capacity(0)
     assert buf.stats().capacity == 1  # a refused change changes nothing

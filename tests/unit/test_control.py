@@ -362,6 +362,10 @@ def test_identical_configs_have_no_changed_fields_and_the_public_config_is_json(
     cfg = load_config(None, ["run.output_dir=/tmp/somewhere"])
     assert changed_fields(cfg, cfg) == []
     assert changed_fields(cfg, load_config(None, ["buffer.max_staleness=3"])) != []
+    # a field present on one side only (a dict that gained its first key) is a change too
+    pinned = load_config(None, ['ray.rollout_actor_resources={"stppo_rollout" = 1}'])
+    assert "ray.rollout_actor_resources.stppo_rollout" in changed_fields(cfg, pinned)
+    assert "ray.rollout_actor_resources" in changed_fields(cfg, pinned)
     json.dumps(public_config(cfg))  # no Path objects left
     assert public_config(cfg)["run"]["output_dir"] == "/tmp/somewhere"
 

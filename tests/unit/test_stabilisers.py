@@ -126,6 +126,47 @@ def test_behavior_weights_truncate_drop_and_turn_level():
         losses.behavior_importance_weights(prox, behaviour, mask, turn_ids, level="token", cap=1.0)
 
 
+def test_behavior_weights_off_the_mask_at_the_cap_and_bad_inputs():
+    """Environment tokens get weight 0 whatever their log-probs say; a weight exactly at the
+    cap is kept, not counted as capped; input errors name the input."""
+    prox = torch.tensor([[math.log(2.0), 0.0, 7.0, 0.0]], dtype=torch.float64)
+    behaviour = torch.tensor([[0.0, 0.0, -3.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 1]])  # token 2: environment, garbage log-probs
+    turn_ids = torch.tensor([[0, 0, -1, 1]])
+    for mode in ("truncate", "drop"):
+        out = losses.behavior_importance_weights(
+            prox, behaviour, mask, turn_ids, level="token", cap=2.0, mode=mode
+        )
+        torch.testing.assert_close(
+            out.weights, torch.tensor([[2.0, 1.0, 0.0, 1.0]], dtype=torch.float64)
+        )
+        assert float(out.metrics["behavior_weight_capped"]) == 0.0  # 2.0 is not above 2.0
+        assert float(out.metrics["behavior_weight_max"]) == 2.0
+        assert float(out.metrics["behavior_weight_mean"]) == pytest.approx(4.0 / 3.0)
+    with pytest.raises(
+        ValueError, match=r"^behavior_logprobs shape \(1, 3\) != proximal_logprobs shape \(1, 4\)$"
+    ):
+        losses.behavior_importance_weights(
+            prox, behaviour[:, :3], mask, turn_ids, level="token", cap=2.0
+        )
+    with pytest.raises(
+        ValueError, match=r"^mode must be one of \('truncate', 'drop'\), got 'clip'$"
+    ):
+        losses.behavior_importance_weights(
+            prox, behaviour, mask, turn_ids, level="token", cap=2.0, mode="clip"
+        )
+    bf16 = losses.behavior_importance_weights(
+        prox.bfloat16(), behaviour.bfloat16(), mask, turn_ids, level="token", cap=2.0
+    )
+    assert bf16.metrics["behavior_weight_capped"].dtype == bf16.weights.dtype
+
+
+def test_kl_estimator_error_names_the_field():
+    logp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=r"^estimator must be one of"):
+        losses.kl_penalty(logp, logp, "k2")  # type: ignore[arg-type]
+
+
 def test_decoupled_ppo_at_staleness_zero_is_ppo():
     gen = torch.Generator().manual_seed(1)
     logp = torch.randn(2, 6, generator=gen, dtype=torch.float64)
