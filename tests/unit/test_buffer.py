@@ -134,3 +134,16 @@ def test_capacity_bounds_stats_and_clear():
     assert buf.put([make_traj(0), make_traj(0)]) == 1
     assert buf.stats().rejected_full_total == 1
     assert buf.clear() == 1 and buf.stats().depth == 0 and buf.clear() == 0
+
+
+def test_purge_stale_counts_across_calls_and_keep_drops_nothing():
+    keep = StalenessBuffer(capacity=10, max_staleness=0, stale_policy="keep")
+    keep.put([make_traj(0), make_traj(0)])
+    assert keep.purge_stale(5) == 0 and keep.stats().depth == 2
+    assert keep.stats().dropped_stale_total == 0
+    drop = StalenessBuffer(capacity=10, max_staleness=1)
+    drop.put([make_traj(0), make_traj(2)])
+    assert drop.purge_stale(2) == 1
+    drop.put([make_traj(3)])
+    assert drop.purge_stale(5) == 2
+    assert drop.stats().dropped_stale_total == 3  # accumulated, not the last call's count

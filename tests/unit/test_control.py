@@ -392,3 +392,89 @@ def test_write_private_creates_the_file_owner_only_from_the_start(tmp_path, monk
     finally:
         os.umask(old_umask)
     assert seen == [0o600]
+
+
+def _padded_body(size: int) -> bytes:
+    """A valid change, padded with JSON whitespace to exactly ``size`` bytes."""
+    core = b'{"buffer": {"max_staleness": 2}}'
+    return core[:-1] + b" " * (size - len(core)) + b"}"
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_body_limit_is_exact_with_and_without_content_length(served, chunked):
+    """A body of exactly MAX_BODY_BYTES is read; one byte more is 413 with the limit named,
+    whether the size is declared (Content-Length) or found while streaming (chunked)."""
+    from services.control import MAX_BODY_BYTES
+
+    state, client, _ = served
+
+    def send(body: bytes):
+        content = iter([body[: len(body) // 2], body[len(body) // 2 :]]) if chunked else body
+        return client.patch("/config", content=content)
+
+    assert send(_padded_body(MAX_BODY_BYTES)).status_code == 202
+    assert state.take_pending().buffer.max_staleness == 2
+    over = send(_padded_body(MAX_BODY_BYTES + 1))
+    assert over.status_code == 413
+    assert over.json()["detail"] == f"body over {MAX_BODY_BYTES} bytes"
+    assert state.take_pending() is None
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "detail"),
+    [
+        (b'{"buffer": ', 422, "body is not JSON: "),
+        (b"[1, 2]", 422, "body must be a JSON object of config sections"),
+        (b'{"a":' * 9 + b"1" + b"}" * 9, 422, "body is nested deeper than 8 levels"),
+        (b'{"a":' * 10_000 + b"1" + b"}" * 10_000, 422, "body is nested too deeply"),
+    ],
+)
+def test_bad_bodies_get_their_own_reason(served, body, status, detail):
+    state, client, _ = served
+    resp = client.patch("/config", content=body)
+    assert resp.status_code == status
+    assert resp.json()["detail"].startswith(detail)
+    assert state.take_pending() is None
+
+
+def test_a_body_at_the_depth_limit_is_parsed_and_judged_as_config(served):
+    """Depth MAX_BODY_DEPTH exactly passes the depth check; the config then refuses it."""
+    _, client, _ = served
+    body = b'{"a":' * 8 + b"1" + b"}" * 8
+    resp = client.patch("/config", content=body)
+    assert resp.status_code == 422
+    assert "nested" not in resp.json()["detail"]
+
+
+def test_token_length_and_the_401_challenge(served):
+    from services.control import create_control_app
+
+    state, _, server = served
+    create_control_app(state, "k" * 16)  # 16 characters is enough
+    with pytest.raises(ValueError, match=r"^control-plane token must have at least 16 characters$"):
+        create_control_app(state, "k" * 15)
+    resp = httpx.get(f"{server.url}/status", headers={"Authorization": "Bearer nope"})
+    assert resp.status_code == 401
+    assert resp.headers["www-authenticate"] == "Bearer"
+    assert resp.json()["detail"].startswith("missing or wrong bearer token")
+    assert server.thread.daemon  # a stuck request never keeps the job's process alive
+
+
+def test_tokens_match_survives_unpaired_surrogates():
+    """A str that cannot be UTF-8 encoded strictly (a lone surrogate, e.g. from a decoded
+    header) compares as unequal instead of raising."""
+    from services.control import tokens_match
+
+    assert not tokens_match("\udc80" * 16, "k" * 16)
+    assert not tokens_match("k" * 16, "\udc80" * 16)
+    assert tokens_match("\udc80" * 16, "\udc80" * 16)
+
+
+def test_publish_stamps_the_status_time():
+    import time as _time
+
+    state = ControlState(config=load_config(None))
+    before = _time.time()
+    state.publish(learner_step=1)
+    _, status = state.snapshot()
+    assert status["learner_step"] == 1 and before <= status["updated_unix_s"] <= _time.time()
