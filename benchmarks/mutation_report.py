@@ -24,8 +24,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants"
 
-# mutant name -> why no test can (or should) kill it
-EQUIVALENT: dict[str, str] = {}
+_JSON_MODE = "pydantic dumps in JSON mode for any mode other than 'python'"
+_GET_DEFAULT = "dict.get's default is already None"
+_LOGGING = "changes uvicorn's logging only"
+
+# mutant name -> why no input can tell it from the original (read one by one)
+EQUIVALENT: dict[str, str] = {
+    **{f"services.control.x_changed_fields__mutmut_{i}": _JSON_MODE for i in (4, 5, 8, 9)},
+    **{f"services.control.x_public_config__mutmut_{i}": _JSON_MODE for i in (3, 4)},
+    **{f"services.control.x_changed_fields__mutmut_{i}": _GET_DEFAULT for i in (14, 18)},
+    **{
+        f"services.control.x_public_config__mutmut_{i}": "a RunConfig dump always has "
+        "'control', so the default of .get('control', ...) is never used"
+        for i in (7, 9)
+    },
+    "services.control.x_read_limited__mutmut_7": "'and' differs only for a non-numeric "
+    "Content-Length, which h11 answers with 400 before the app sees it",
+    "services.control.x_start_control_server__mutmut_1": "the default start-up timeout "
+    "(10 vs 11 s) only matters for a server that never starts",
+    "services.control.x_start_control_server__mutmut_6": "SOCK_STREAM is socket.socket's "
+    "default type",
+    "services.control.x_start_control_server__mutmut_13": "any nonzero value enables SO_REUSEADDR",
+    **{
+        f"services.control.x_start_control_server__mutmut_{i}": _LOGGING
+        for i in (19, 20, 22, 23, 25, 26)
+    },
+    **{
+        f"services.control.x_start_control_server__mutmut_{i}": "the start-up deadline "
+        "boundary (or vs and, > vs >=) is not observable in time"
+        for i in (42, 44)
+    },
+    "learner.losses.x_kl_penalty__mutmut_42": "k3 >= 0, so its lower bound -10 never acts",
+    "learner.losses.x_behavior_importance_weights__mutmut_44": "raw is 0 off the mask, and "
+    "0 > cap never holds (cap > 1), so the mask test is redundant",
+}
 
 
 def load_results(mutants_dir: Path = MUTANTS) -> dict[str, dict[str, str]]:

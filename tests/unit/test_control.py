@@ -478,3 +478,29 @@ def test_publish_stamps_the_status_time():
     state.publish(learner_step=1)
     _, status = state.snapshot()
     assert status["learner_step"] == 1 and before <= status["updated_unix_s"] <= _time.time()
+
+
+def test_an_oversized_declared_body_is_refused_before_it_is_sent(served):
+    """Content-Length over the limit: 413 at once, without waiting for (or reading) a byte of
+    the body; only the streaming check would otherwise wait for it to arrive."""
+    import socket
+
+    from services.control import MAX_BODY_BYTES
+
+    state, _, server = served
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"PATCH /config HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(MAX_BODY_BYTES + 1).encode() + b"\r\n\r\n"
+        )  # fmt: skip
+        head = sock.recv(4096)  # no body sent: only an early answer arrives
+    assert head.startswith(b"HTTP/1.1 413"), head[:80]
+    assert state.take_pending() is None
+
+
+def test_openapi_describes_the_control_plane(served):
+    _, client, _ = served
+    info = client.get("/openapi.json").json()["info"]
+    assert info == {"title": "st-ppo control plane", "version": "1"}

@@ -344,6 +344,12 @@ def test_value_loss_aggregation_denominator_and_modes():
     )
     assert seq.loss.item() == pytest.approx((row0 / 3 + row1 / 1) / 2, abs=1e-12)
     assert token.metrics["return_mean"].item() == pytest.approx((2 + 1 + 1 + 1) / 4)
+    # the clip acts below too: v far under old, return under both -> the clipped branch
+    low = compute_value_loss(
+        torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.tensor([[-1.0]]), torch.ones(1, 1),
+        value_clip=0.2,
+    )  # fmt: skip
+    assert low.loss.item() == pytest.approx(0.5 * (0.8 + 1.0) ** 2)  # v_clip = 1 - 0.2
     assert token.metrics["value_loss"].item() == token.loss.item()
 
 
