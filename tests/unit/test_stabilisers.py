@@ -205,3 +205,53 @@ def test_config_defaults_and_validation():
         PPOConfig(clip_eps_high=0.5, clip_ratio_c=1.4)
     with pytest.raises(ValidationError, match="behavior_weight_cap"):
         PPOConfig(behavior_weight_cap=1.0)
+
+
+def test_token_bound_acts_only_in_the_advantage_direction_and_only_beyond_the_bound():
+    """GMPO bound, one case per side of every comparison (mutation testing found the
+    direction-0 tokens, the exact-bound tokens and the input errors unchecked)."""
+    #              up-over  dir0-up  down-over up-below at+bound dir.5 dir0-down at-bound
+    logr = torch.tensor([[0.6, 0.6, -0.6, -0.6, 0.4, 0.6, -0.6, -0.4]], dtype=torch.float64)
+    direction = torch.tensor([[1.0, 0.0, -1.0, 1.0, 1.0, 0.5, 0.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 8)
+    turn_ids = torch.arange(8).reshape(1, 8)
+    out = losses.importance_log_ratios(
+        logr, torch.zeros_like(logr), mask, turn_ids, ratio_level="token",
+        token_log_ratio_bound=0.4, bound_direction=direction,
+    )  # fmt: skip
+    expected = torch.tensor([[0.4, 0.6, -0.4, -0.6, 0.4, 0.4, -0.6, -0.4]], dtype=torch.float64)
+    torch.testing.assert_close(out.log_ratio, expected)
+    assert out.token_bounded.tolist() == [[True, False, True, False, False, True, False, False]]
+    kw = dict(ratio_level="token", bound_direction=direction)
+    with pytest.raises(ValueError, match=r"^token_log_ratio_bound must be > 0 \(nats\), got 0.0$"):
+        losses.importance_log_ratios(logr, logr, mask, turn_ids, token_log_ratio_bound=0.0, **kw)
+    with pytest.raises(ValueError, match=r"^token_log_ratio_bound needs bound_direction"):
+        losses.importance_log_ratios(
+            logr, logr, mask, turn_ids, ratio_level="token", token_log_ratio_bound=0.4
+        )
+
+
+def test_sequence_mean_counts_only_sequences_with_tokens():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    w = losses.aggregation_weights(mask, loss_agg_mode="seq-mean-token-mean")
+    # S = 2 sequences with tokens: row 0 tokens 1/(2*2), row 2 token 1/(1*2)
+    torch.testing.assert_close(w, torch.tensor([[0.25, 0.25, 0.0], [0.0] * 3, [0.5, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match=r"^loss_agg_mode must be one of"):
+        losses.aggregation_weights(mask, loss_agg_mode="sum")  # type: ignore[arg-type]
+
+
+def test_dual_clip_and_behaviour_weight_inputs_are_checked_exactly():
+    logp = torch.zeros(1, 3)
+    mask, turn_ids, adv = torch.ones(1, 3), torch.tensor([[0, 0, 1]]), torch.ones(1, 3)
+    kw = dict(ratio_level="token", clip_eps_low=0.2, clip_eps_high=0.2)
+    with pytest.raises(
+        ValueError, match=r"^clip_ratio_c must be > 1 \+ clip_eps_high = 1.2, got 1.2$"
+    ):
+        losses.compute_policy_loss(logp, logp, adv, mask, turn_ids, **kw, clip_ratio_c=1.2)
+    losses.compute_policy_loss(logp, logp, adv, mask, turn_ids, **kw, clip_ratio_c=1.21)
+    with pytest.raises(
+        ValueError, match=r"^behavior_weights shape \(1, 2\) != logprobs shape \(1, 3\)$"
+    ):
+        losses.compute_policy_loss(
+            logp, logp, adv, mask, turn_ids, **kw, behavior_weights=torch.ones(1, 2)
+        )
