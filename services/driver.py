@@ -293,9 +293,10 @@ class Driver:
         """
         from services.ray_actors import rollout_actor_capacity
 
-        cap, why = rollout_actor_capacity(self.cfg, cluster_total)
         if self.cfg.ray.max_rollout_actors is not None:
             cap, why = self.cfg.ray.max_rollout_actors, "ray.max_rollout_actors"
+        else:
+            cap, why = rollout_actor_capacity(self.cfg, cluster_total)
         self.control.max_rollout_actors, self.control.capacity_reason = cap, why
         self.control.check_rollout_actors(self.cfg.rollout.num_actors)
 
