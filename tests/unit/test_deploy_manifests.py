@@ -442,11 +442,7 @@ def test_vllm_metrics_are_served_by_rollout_pods_and_scraped_with_a_run_label(ov
         rollout["spec"]["containers"][0], "vllm-metrics"
     )
     assert rollout["metadata"]["labels"]["stppo.io/run"] == cfg.run.name
-    (endpoint,) = [
-        e for e in _podmonitors()["stppo"]["spec"]["podMetricsEndpoints"]
-        if e["port"] == "vllm-metrics"
-    ]  # fmt: skip
-    targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    targets = _relabel_targets("vllm-metrics")
     assert targets["run"] == ["__meta_kubernetes_pod_label_stppo_io_run"]
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
     job = next(j for j in config["scrape_configs"] if j["job_name"] == "vllm-engines")
@@ -520,6 +516,14 @@ def _podmonitors() -> dict[str, dict]:
     return {d["metadata"]["name"]: d for d in docs if d}
 
 
+def _relabel_targets(port: str) -> dict[str, list[str]]:
+    """target label -> source labels of PodMonitor ``stppo``'s endpoint on ``port``."""
+    (endpoint,) = [
+        e for e in _podmonitors()["stppo"]["spec"]["podMetricsEndpoints"] if e["port"] == port
+    ]
+    return {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+
+
 def _pod_labels_as_kuberay_sets(where: str, meta: dict) -> dict[str, str]:
     """The labels KubeRay adds to the pods it creates for RayCluster `stppo`."""
     labels = dict(meta.get("labels", {}))
@@ -566,11 +570,7 @@ def test_our_metrics_get_a_run_label_equal_to_the_run_name(overlay):
     _, _, cfg = run_config_of(objects)
     head_meta = one(objects, "RayCluster")["spec"]["headGroupSpec"]["template"]["metadata"]
     assert head_meta["labels"]["stppo.io/run"] == cfg.run.name
-    (ours,) = [
-        e for e in _podmonitors()["stppo"]["spec"]["podMetricsEndpoints"]
-        if e["port"] == "stppo-metrics"
-    ]  # fmt: skip
-    targets = {r["targetLabel"]: r["sourceLabels"] for r in ours["relabelings"]}
+    targets = _relabel_targets("stppo-metrics")
     assert targets["run"] == ["__meta_kubernetes_pod_label_stppo_io_run"]
     assert targets["pod"] == ["__meta_kubernetes_pod_name"]
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
