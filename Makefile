@@ -26,7 +26,7 @@ lint:
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .
 
 # Mutation testing of the core modules ([tool.mutmut] in pyproject.toml; not part of `make
-# test`, ~15 min on 2 cores): every mutant must fail a test; the report lists survivors and
+# test`, ~10 min on 2 cores): every mutant must fail a test; the report lists survivors and
 # the ones judged equivalent (benchmarks/mutation_report.py).
 mutation: setup
 	.venv/bin/uv pip install --python .venv/bin/python mutmut==3.8.1
