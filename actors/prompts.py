@@ -115,6 +115,7 @@ def prompt_messages(
     record: Mapping,
     mode: PromptMode = "agent",
     passages: Sequence[Passage] | None = None,
+    system_prompt: str | None = None,
 ) -> list[dict[str, str]]:
     """The chat messages (system + user) of ``record`` in prompt ``mode``.
 
@@ -122,12 +123,15 @@ def prompt_messages(
     :data:`RAG_DOCUMENTS_HEADER` + :func:`passages_text` of ``passages`` + a blank line +
     :func:`user_message` (an empty ``passages`` list gives :data:`NO_RESULTS_TEXT`).
 
+    ``system_prompt`` replaces the agent's system message (``rollout.system_prompt``; None =
+    :data:`SYSTEM_PROMPT`); the baselines keep theirs.
+
     Example: ``prompt_messages(r, "rag", [p])[1]["content"] ==
     "Documents:\\nDoc 1 (Title: Lima) Lima is ...\\n\\nQuestion: What is the capital of Peru?"``.
 
     Raises:
         ValueError: unknown ``mode``; ``rag`` without ``passages``; ``passages`` given to
-            another mode; no question text.
+            another mode; ``system_prompt`` given to a baseline mode; no question text.
     """
     if mode not in _SYSTEM_PROMPTS:
         raise ValueError(f"unknown prompt mode {mode!r}; expected one of {PROMPT_MODES}")
@@ -135,11 +139,18 @@ def prompt_messages(
         raise ValueError("prompt mode 'rag' needs the retrieved passages")
     if mode != "rag" and passages is not None:
         raise ValueError(f"prompt mode {mode!r} takes no passages (only 'rag' does)")
+    if system_prompt is not None and mode != "agent":
+        raise ValueError(
+            f"prompt mode {mode!r} keeps its own system message (only 'agent' takes one)"
+        )
     user = user_message(record)
     if mode == "rag":
         user = f"{RAG_DOCUMENTS_HEADER}{passages_text(passages)}\n\n{user}"
     return [
-        {"role": "system", "content": _SYSTEM_PROMPTS[mode]},
+        {
+            "role": "system",
+            "content": _SYSTEM_PROMPTS[mode] if system_prompt is None else system_prompt,
+        },
         {"role": "user", "content": user},
     ]
 
@@ -149,12 +160,14 @@ def prompt_ids(
     record: Mapping,
     mode: PromptMode = "agent",
     passages: Sequence[Passage] | None = None,
+    system_prompt: str | None = None,
 ) -> list[int]:
     """Chat-formatted prompt token ids (system + user, generation prompt appended).
 
     Uses the tokenizer's chat template (SmolLM2: ChatML); special tokens come from the
     template, so ``add_special_tokens=False`` when encoding. ``mode`` and ``passages`` as
-    :func:`prompt_messages`; the default is the search agent's prompt.
+    :func:`prompt_messages`; the default is the search agent's prompt, ``system_prompt``
+    replaces its system message.
 
     Raises:
         ValueError: no question text, the tokenizer has no chat template, or a bad
@@ -162,7 +175,7 @@ def prompt_ids(
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; the agent prompt needs one")
-    messages = prompt_messages(record, mode, passages)
+    messages = prompt_messages(record, mode, passages, system_prompt)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

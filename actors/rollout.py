@@ -182,7 +182,10 @@ def run_rollout(
         raise ValueError(f"{len(group_ids)} group_ids for {len(records)} records")
     start = time.perf_counter()
     stats = RolloutStats()
-    episodes = [_new_episode(tokenizer, r, g) for r, g in zip(records, group_ids, strict=True)]
+    episodes = [
+        _new_episode(tokenizer, r, g, cfg.system_prompt)
+        for r, g in zip(records, group_ids, strict=True)
+    ]
     temp = cfg.temperature if temperature is None else temperature
     for _ in range(cfg.max_turns):
         live = [e for e in episodes if not e.done]
@@ -202,9 +205,12 @@ def run_rollout(
     return trajectories, stats
 
 
-def _new_episode(tokenizer, record: Mapping, group_id: str) -> _Episode:
+def _new_episode(
+    tokenizer, record: Mapping, group_id: str, system_prompt: str | None = None
+) -> _Episode:
     check_record(record)
-    return _Episode(record=record, group_id=group_id, prompt_ids=prompt_ids(tokenizer, record))
+    ids = prompt_ids(tokenizer, record, system_prompt=system_prompt)
+    return _Episode(record=record, group_id=group_id, prompt_ids=ids)
 
 
 def _turn_budget(e: _Episode, cfg: RolloutConfig) -> int:

@@ -117,6 +117,7 @@ def build_demonstration(
     *,
     max_information_tokens: int = 256,
     require_answer_in_passages: bool = True,
+    system_prompt: str | None = None,
 ) -> Trajectory | None:
     """One demonstration trajectory for a QA record (format in the module docstring).
 
@@ -129,6 +130,8 @@ def build_demonstration(
             ``max_information_tokens``).
         require_answer_in_passages: return None when no retrieved passage contains a gold
             answer.
+        system_prompt: the agent's system message (``rollout.system_prompt``; None =
+            Search-R1's), so the demonstrations show the prompt the rollouts will use.
 
     Returns:
         A validated :class:`Trajectory` (``reward = 1``, ``behavior_logprobs = 0``,
@@ -161,7 +164,9 @@ def build_demonstration(
     loss_mask += [1] * len(final)
     turn_ids += [len(queries)] * len(final)
     return Trajectory(
-        prompt_ids=np.asarray(prompt_ids(tokenizer, record), dtype=np.int64),
+        prompt_ids=np.asarray(
+            prompt_ids(tokenizer, record, system_prompt=system_prompt), dtype=np.int64
+        ),
         response_ids=np.asarray(response, dtype=np.int64),
         loss_mask=np.asarray(loss_mask, dtype=np.int8),
         turn_ids=np.asarray(turn_ids, dtype=np.int32),
@@ -188,6 +193,7 @@ def build_demonstrations(
     *,
     max_information_tokens: int = 256,
     require_answer_in_passages: bool = True,
+    system_prompt: str | None = None,
 ) -> DemonstrationSet:
     """:func:`build_demonstration` over many records; invalid records are counted with
     their reason, not raised (a retrieval failure still raises: that is an outage)."""
@@ -201,6 +207,7 @@ def build_demonstrations(
                 retrieve_fn,
                 max_information_tokens=max_information_tokens,
                 require_answer_in_passages=require_answer_in_passages,
+                system_prompt=system_prompt,
             )
         except DemonstrationError as err:
             out.num_invalid += 1

@@ -385,6 +385,7 @@ class Driver:
             demos = build_demonstrations(
                 records, tokenizer, client.retrieve,
                 max_information_tokens=self.cfg.rollout.max_information_tokens,
+                system_prompt=self.cfg.rollout.system_prompt,
             )  # fmt: skip
         self.progress.say(
             f"warm start: {len(demos.demonstrations)} demonstrations "
