@@ -203,3 +203,42 @@ def test_parse_modes_and_side_by_side_table(tok):
     # closed book 2/2 correct, rag 1/2 (Cusco is wrong)
     assert header == ["set", "n", "closed_book", "rag"]
     assert rows == [["single_hop", "2", "1.000", "0.500"]]
+
+
+SHORT = "Search the records, then answer."
+
+
+def test_system_prompt_replaces_the_agent_instruction_only(tok):
+    text = tok.decode(prompt_ids(tok, PERU_Q, system_prompt=SHORT))
+    assert text == chatml(SHORT, "Question: What is the capital of Peru?")
+    assert prompt_messages(PERU_Q, system_prompt=SHORT)[0] == {"role": "system", "content": SHORT}
+    for mode, passages in (("closed_book", None), ("rag", [LIMA])):
+        with pytest.raises(ValueError, match=f"'{mode}' keeps its own system message"):
+            prompt_messages(PERU_Q, mode, passages, system_prompt=SHORT)
+
+
+def test_rollouts_and_demonstrations_use_the_configured_system_prompt(tok):
+    """rollout.system_prompt reaches the engine's prompt and the warm start's demonstrations
+    (a demonstration under another prompt teaches the wrong context)."""
+    from actors.rollout import run_rollout
+    from learner.sft import build_demonstration
+
+    rec = {**PERU_Q, "metadata": {"search_queries": ["capital of Peru"]}}
+    engine = ScriptedEngine(tok, {PERU_Q["question"]: ["<answer> Lima </answer>"]})
+    cfg = RolloutConfig(system_prompt=SHORT)
+    (traj,), _ = run_rollout(engine, tok, TableRetriever({}), [rec], ["g"], cfg)
+    expected = prompt_ids(tok, rec, system_prompt=SHORT)
+    assert traj.prompt_ids.tolist() == engine.calls[0][0] == expected
+    assert expected != prompt_ids(tok, rec)
+
+    retrieve = TableRetriever({"capital of Peru": [LIMA]}).retrieve
+    demo = build_demonstration(rec, tok, retrieve, system_prompt=SHORT)
+    assert demo.prompt_ids.tolist() == expected
+    assert build_demonstration(rec, tok, retrieve).prompt_ids.tolist() == prompt_ids(tok, rec)
+
+
+def test_system_prompt_config_rejects_an_empty_message():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="system_prompt"):
+        RolloutConfig(system_prompt="")
