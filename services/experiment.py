@@ -126,6 +126,18 @@ class ExperimentSpec(StrictModel):
     (``model.path`` = its ``hf_policy/``, ``sft.enabled = false``). The warm start uses the
     first seed. Grid runs then take that policy as their reference (KL) and critic backbone."""
 
+    parallel_runs: int = Field(1, ge=1, le=16)
+    """Grid runs at a time, each in a fresh process with its own local Ray cluster (its
+    console output goes to ``<run_dir>/console.log``). With ``sync.fixed_lag`` a run's
+    rollout and learner alternate, so one run keeps about one core busy: on the 2-core
+    machine two at a time took 1.0 s per learner step each where one alone took 0.85 s
+    (1.7x the grid's throughput). Runs start in plan order."""
+
+    warm_start_overrides: dict[str, Any] = Field(default_factory=dict)
+    """``dotted.key -> value`` for the shared warm start only (after ``overrides``), e.g. both
+    cores for its learner, which runs alone: ``ray.num_cpus = 3`` and ``ray.learner_cpus =
+    2`` (Ray gives an actor as many BLAS threads as CPUs; the idle rollout actor keeps 1)."""
+
     seed_major: bool = False
     """Run order: every grid point's first seed, then every grid point's second seed...
     (True), instead of all seeds of one grid point before the next (False). A grid cut
@@ -269,7 +281,8 @@ def plan_warm_start(
     spec: ExperimentSpec, name: str, output_dir: Path, extra_overrides: list[str] | None = None
 ) -> PlannedRun | None:
     """The shared warm-start run (None unless ``spec.shared_warm_start``): the grid's common
-    overrides, SFT on, 0 learner steps, no evaluation, the first seed.
+    overrides, then ``spec.warm_start_overrides``, SFT on, 0 learner steps, no evaluation,
+    the first seed.
 
     Raises:
         ConfigError: the config does not validate.
@@ -285,7 +298,7 @@ def plan_warm_start(
         "run.eval_questions": 0,
         "sft.enabled": True,
     }
-    cfg = _load_run_config(spec, WARM_START_RUN, {}, extra_overrides, fixed)
+    cfg = _load_run_config(spec, WARM_START_RUN, spec.warm_start_overrides, extra_overrides, fixed)
     return PlannedRun(WARM_START_RUN, {}, seed, cfg)
 
 
@@ -582,20 +595,25 @@ def run_experiment(
     start = time.perf_counter()
     if warm is not None:
         _run_warm_start(warm, warm_start_policy_dir(spec, name, output_dir), skip_finished)
+    todo: list[tuple[str, PlannedRun]] = []
     for i, run in enumerate(planned, 1):
         run_dir = run.config.run_dir
+        label = f"[experiment {name}] {i}/{len(planned)} {run.name}"
         if skip_finished and any(e.get("tag") == "end" for e in read_jsonl(run_dir / "eval.jsonl")):
-            print(f"[experiment {name}] {i}/{len(planned)} {run.name}: finished before, skipped")
+            print(f"{label}: finished before, skipped")
             continue
         if run_dir.exists():
             _clear_partial_run(run_dir)
-        print(
-            f"[experiment {name}] {i}/{len(planned)} {run.name}: {run.grid_values} seed {run.seed}"
-        )
-        try:
-            train_with_time_cap(run.config, cap_s)
-        finally:
-            _detach_run_log(run_dir)
+        todo.append((label, run))
+    if spec.parallel_runs == 1:
+        for label, run in todo:
+            print(f"{label}: {run.grid_values} seed {run.seed}")
+            try:
+                train_with_time_cap(run.config, cap_s)
+            finally:
+                _detach_run_log(run.config.run_dir)
+    else:
+        _run_in_processes(todo, cap_s, spec.parallel_runs, start)
     result = summarize_experiment(name, output_dir, extra_overrides, experiments_dir, cap_s)
     result.wall_s = time.perf_counter() - start
     return result
@@ -653,6 +671,64 @@ def train_with_time_cap(cfg: RunConfig, max_run_s: float) -> Any:
     from services.driver import Driver
 
     return Driver(cfg, max_train_s=max_run_s).run()
+
+
+def _train_in_child(config: dict[str, Any], max_run_s: float, console_log: str) -> None:
+    """One grid run in a pool process: its stdout and stderr (and those of the processes it
+    starts) go to ``console_log``, then :func:`train_with_time_cap`."""
+    import os
+    import sys
+
+    fd = os.open(console_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    train_with_time_cap(RunConfig.model_validate(config), max_run_s)
+
+
+def _run_in_processes(
+    todo: list[tuple[str, PlannedRun]], max_run_s: float, workers: int, start: float
+) -> None:
+    """Run ``todo`` ``workers`` at a time, each in a fresh spawned process
+    (:func:`_train_in_child`), starting them in order.
+
+    Raises:
+        RuntimeError: a run failed (the runs already started finish first; none starts
+            after), naming the run and its ``console.log``.
+    """
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1) as pool:
+        pending: dict[Any, tuple[str, PlannedRun]] = {}
+        queue = list(todo)
+        failed: list[str] = []
+        while queue or pending:
+            while queue and len(pending) < workers and not failed:
+                label, run = queue.pop(0)
+                run.config.run_dir.mkdir(parents=True, exist_ok=True)
+                log = run.config.run_dir / "console.log"
+                print(f"{label}: {run.grid_values} seed {run.seed} (output: {log})", flush=True)
+                config = run.config.model_dump(mode="json")
+                pending[pool.submit(_train_in_child, config, max_run_s, str(log))] = (label, run)
+            if not pending:
+                break
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                label, run = pending.pop(future)
+                error = future.exception()
+                elapsed = time.perf_counter() - start
+                if error is None:
+                    print(f"{label}: finished ({elapsed / 60:.1f} min into the grid)", flush=True)
+                else:
+                    failed.append(f"{label}: {type(error).__name__}: {error} "
+                                  f"(see {run.config.run_dir / 'console.log'})")  # fmt: skip
+                    print(failed[-1], flush=True)
+    if failed:
+        raise RuntimeError("grid run(s) failed: " + "; ".join(failed))
 
 
 def _run_warm_start(warm: PlannedRun, policy_dir: Path, skip_finished: bool) -> None:

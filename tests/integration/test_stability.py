@@ -1,7 +1,8 @@
 """The stability benchmark's short version: the synthetic task built by its command, one
-variant, one seed, 5 learner steps at an exact lag of 2 through the real pipeline (Ray
-local cluster, HF rollout actor, DeepSpeed learner, managed BM25 retrieval server, lagged
-weight sync); asserts the pipeline and the logged staleness, not the science."""
+variant, two seeds run side by side (``parallel_runs = 2``, as the default grid), 5 learner
+steps at an exact lag of 2 through the real pipeline (a Ray local cluster per run, HF
+rollout actor, DeepSpeed learner, managed BM25 retrieval server, lagged weight sync);
+asserts the pipeline and the logged staleness, not the science."""
 
 from __future__ import annotations
 
@@ -51,9 +52,10 @@ def test_stability_grid_short(tmp_path: Path):
     experiments.mkdir()
     lines = [
         f'base_config = "{PROJECT_ROOT / "deploy" / "configs" / "synthetic.toml"}"',
-        "seeds = [0]",
+        "seeds = [0, 1]",
         f"num_steps = {STEPS}",
         "cells = true",
+        "parallel_runs = 2",
         "[grid]",
         '"algorithm.variant" = ["st_ppo"]',
         f'"buffer.max_staleness" = [{LAG}]',
@@ -64,22 +66,26 @@ def test_stability_grid_short(tmp_path: Path):
 
     result = run_experiment("short", tmp_path / "runs", experiments_dir=experiments)
 
-    run = tmp_path / "runs" / "short" / f"variant-st_ppo_max_staleness-{LAG}_seed-0"
-    steps = _lines(run / "steps.jsonl")
-    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    # exact lag: step t trains on trajectories generated min(t - 1, LAG) versions earlier
-    consumed = _lines(run / "consumed.jsonl")
-    assert [c["staleness"] for c in consumed] == [
-        [min(t - 1, LAG)] * BATCH for t in range(1, STEPS + 1)
-    ]
-    assert [s["staleness_max"] for s in steps] == [min(t - 1, LAG) for t in range(1, STEPS + 1)]
-    assert steps[-1]["trajectories_dropped_stale"] == 0
+    for seed in (0, 1):
+        run = tmp_path / "runs" / "short" / f"variant-st_ppo_max_staleness-{LAG}_seed-{seed}"
+        steps = _lines(run / "steps.jsonl")
+        assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+        # exact lag: step t trains on trajectories generated min(t - 1, LAG) versions earlier
+        consumed = _lines(run / "consumed.jsonl")
+        assert [c["staleness"] for c in consumed] == [
+            [min(t - 1, LAG)] * BATCH for t in range(1, STEPS + 1)
+        ]
+        assert [s["staleness_max"] for s in steps] == [min(t - 1, LAG) for t in range(1, STEPS + 1)]
+        assert steps[-1]["trajectories_dropped_stale"] == 0
+        # each run's own process wrote its console output beside its logs
+        assert "[step 5/5" in (run / "console.log").read_text()
+        assert json.loads((run / "config.json").read_text())["run"]["seed"] == seed
     # the per-cell summary reads the same logs
     cells = json.loads((run.parent / "cells.json").read_text())["cells"]
     assert len(cells) == 1
     cell = cells[0]
-    assert (cell["variant"], cell["max_staleness"], cell["runs"]) == ("st_ppo", LAG, 1)
+    assert (cell["variant"], cell["max_staleness"], cell["runs"]) == ("st_ppo", LAG, 2)
     assert cell["exact_staleness_share"] == 1.0
     assert cell["steps_mean"] == STEPS
-    assert result.cells_md is not None and "| st_ppo | 2 | 1 | 5 |" in result.cells_md.read_text()
+    assert result.cells_md is not None and "| st_ppo | 2 | 2 | 5 |" in result.cells_md.read_text()
     assert (run.parent / "cells.png").stat().st_size > 10_000

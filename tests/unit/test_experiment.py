@@ -185,6 +185,7 @@ def test_shared_warm_start_plan(tmp_path: Path):
         num_steps=3,
         shared_warm_start=True,
         overrides={"sft.num_demonstrations": 16, "run.eval_questions": 9},
+        warm_start_overrides={"ray.num_cpus": 3, "ray.learner_cpus": 2},
     )
     warm = plan_warm_start(spec, "exp", tmp_path)
     policy = tmp_path / "exp" / "warm_start" / "checkpoints" / "step_000000" / "hf_policy"
@@ -194,10 +195,12 @@ def test_shared_warm_start_plan(tmp_path: Path):
         "warm_start", 5, 0, 0,
     )  # fmt: skip
     assert (cfg.sft.enabled, cfg.sft.num_demonstrations) == (True, 16)
+    assert (cfg.ray.num_cpus, cfg.ray.learner_cpus) == (3, 2.0)
     runs = plan_runs(spec, "exp", tmp_path)
     assert len(runs) == 4  # 2 variants x 2 seeds
     for r in runs:
         assert (r.config.model.path, r.config.sft.enabled) == (policy, False)
+        assert r.config.ray.learner_cpus == 1.0  # the warm start's overrides stay its own
         assert (r.config.run.eval_questions, r.config.run.num_steps) == (9, 3)
     spec.shared_warm_start = False
     assert plan_warm_start(spec, "exp", tmp_path) is None
