@@ -294,8 +294,12 @@ def _plot_panel(ax, runs: list[RunStats], row: str, lag: int, variants: list[str
         sd = np.nanstd(arr, axis=0, ddof=1) if len(curves) > 1 else np.zeros(n)
         x = np.arange(1, n + 1)
         color = f"C{i}"
-        ax.plot(x, mean, color=color, label=f"{variant} (n={len(curves)})")
-        ax.fill_between(x, mean - sd, mean + sd, color=color, alpha=0.2)
+        # earlier variants drawn wider, so identical curves (st_ppo = turn_ppo while s = 1)
+        # still show both; shares stay in [0, 1], so the band is cut there
+        width = max(2.6 - 0.5 * i, 1.0)
+        ax.plot(x, mean, color=color, linewidth=width, label=f"{variant} (n={len(curves)})")
+        low, high = np.clip(mean - sd, 0.0, 1.0), np.clip(mean + sd, 0.0, 1.0)
+        ax.fill_between(x, low, high, color=color, alpha=0.2)
     ax.grid(alpha=0.3)
 
 
