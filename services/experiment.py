@@ -675,9 +675,16 @@ def train_with_time_cap(cfg: RunConfig, max_run_s: float) -> Any:
 
 def _train_in_child(config: dict[str, Any], max_run_s: float, console_log: str) -> None:
     """One grid run in a pool process: its stdout and stderr (and those of the processes it
-    starts) go to ``console_log``, then :func:`train_with_time_cap`."""
+    starts) go to ``console_log``, then :func:`train_with_time_cap`.
+
+    Raises:
+        RuntimeError: the run failed; the message is the original error's type and text,
+            its traceback is in ``console_log`` (Ray's exceptions, e.g. ``RayTaskError(
+            OSError)``, are classes made at run time that do not pickle back to the parent).
+    """
     import os
     import sys
+    import traceback
 
     fd = os.open(console_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
@@ -685,7 +692,13 @@ def _train_in_child(config: dict[str, Any], max_run_s: float, console_log: str) 
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    train_with_time_cap(RunConfig.model_validate(config), max_run_s)
+    try:
+        train_with_time_cap(RunConfig.model_validate(config), max_run_s)
+    except BaseException as e:
+        traceback.print_exc()
+        sys.stderr.flush()
+        first = str(e).strip().splitlines()[:1]
+        raise RuntimeError(f"{type(e).__name__}: {first[0] if first else ''}") from None
 
 
 def _run_in_processes(
@@ -757,7 +770,7 @@ def _clear_partial_run(run_dir: Path) -> None:
     """Remove the logs of an unfinished run so the rerun's JSONL starts empty."""
     import shutil
 
-    for name in ("steps.jsonl", "eval.jsonl", "sft.jsonl", "config_changes.jsonl"):
+    for name in ("steps.jsonl", "eval.jsonl", "sft.jsonl", "config_changes.jsonl", "console.log"):
         (run_dir / name).unlink(missing_ok=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 

@@ -89,3 +89,31 @@ def test_stability_grid_short(tmp_path: Path):
     assert cell["steps_mean"] == STEPS
     assert result.cells_md is not None and "| st_ppo | 2 | 2 | 5 |" in result.cells_md.read_text()
     assert (run.parent / "cells.png").stat().st_size > 10_000
+
+
+def test_parallel_grid_reports_failed_runs_and_starts_no_more(tmp_path: Path):
+    """A run that fails in its pool process stops the grid with an error naming the run and
+    its console.log (which holds the child's traceback); runs not started yet stay so."""
+    experiments = tmp_path / "experiments"
+    experiments.mkdir()
+    missing = tmp_path / "no-such-model"
+    (experiments / "broken.toml").write_text(
+        "\n".join([
+            f'base_config = "{PROJECT_ROOT / "deploy" / "configs" / "synthetic.toml"}"',
+            "seeds = [0, 1, 2]",
+            "num_steps = 1",
+            "parallel_runs = 2",
+            "[grid]",
+            '"algorithm.variant" = ["ppo"]',
+            "[overrides]",
+            f'"model.path" = "{missing}"',
+        ]) + "\n"
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="grid run\\(s\\) failed") as err:
+        run_experiment("broken", tmp_path / "runs", experiments_dir=experiments)
+    grid = tmp_path / "runs" / "broken"
+    for seed in (0, 1):
+        log = grid / f"variant-ppo_seed-{seed}" / "console.log"
+        assert f"{log}" in str(err.value)
+        assert "Traceback" in log.read_text() and "no-such-model" in log.read_text()
+    assert not (grid / "variant-ppo_seed-2").exists()
