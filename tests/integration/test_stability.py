@@ -96,7 +96,7 @@ def test_parallel_grid_reports_failed_runs_and_starts_no_more(tmp_path: Path):
     its console.log (which holds the child's traceback); runs not started yet stay so."""
     experiments = tmp_path / "experiments"
     experiments.mkdir()
-    missing = tmp_path / "no-such-model"
+    missing = tmp_path / "no-such-corpus.jsonl"  # the first thing a run needs, data or not
     (experiments / "broken.toml").write_text(
         "\n".join([
             f'base_config = "{PROJECT_ROOT / "deploy" / "configs" / "synthetic.toml"}"',
@@ -106,7 +106,7 @@ def test_parallel_grid_reports_failed_runs_and_starts_no_more(tmp_path: Path):
             "[grid]",
             '"algorithm.variant" = ["ppo"]',
             "[overrides]",
-            f'"model.path" = "{missing}"',
+            f'"retrieval.server.corpus_path" = "{missing}"',
         ]) + "\n"
     )  # fmt: skip
     with pytest.raises(RuntimeError, match="grid run\\(s\\) failed") as err:
@@ -115,5 +115,5 @@ def test_parallel_grid_reports_failed_runs_and_starts_no_more(tmp_path: Path):
     for seed in (0, 1):
         log = grid / f"variant-ppo_seed-{seed}" / "console.log"
         assert f"{log}" in str(err.value)
-        assert "Traceback" in log.read_text() and "no-such-model" in log.read_text()
+        assert "Traceback" in log.read_text() and "no-such-corpus" in log.read_text()
     assert not (grid / "variant-ppo_seed-2").exists()
