@@ -497,15 +497,35 @@ class RolloutWorker:
         return self.engine.policy_version
 
     def join_weight_group(
-        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        join_timeout_s: float = 60.0,
     ) -> None:
         """Join the ``collective`` weight-sync group as ``rank`` (see
-        :mod:`actors.weight_group`; blocks until every member has joined). A previous
-        membership is left first."""
+        :mod:`actors.weight_group`; blocks until every member has joined, at most
+        ``join_timeout_s``), listening on this node's IP. A previous membership is left
+        first.
+
+        Raises:
+            actors.rendezvous.GroupJoinError: the group did not form in time."""
         from actors.weight_group import WeightGroup
 
         self.leave_weight_group()
-        self._weight_group = WeightGroup(host, port, rank, world_size, backend, timeout_s)
+        self._weight_group = WeightGroup(
+            host, port, rank, world_size, backend, timeout_s, join_timeout_s=join_timeout_s
+        )
+
+    def node_address(self) -> str:
+        """The address this worker listens on for the weight-sync group: its node's IP as
+        Ray knows it (:func:`actors.rendezvous.node_ip`)."""
+        from actors.rendezvous import node_ip
+
+        return node_ip()
 
     def leave_weight_group(self) -> None:
         """Leave the weight-sync group, if in one."""

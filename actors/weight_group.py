@@ -18,13 +18,26 @@ Nothing here imports Ray: learner and actors use it directly.
 from __future__ import annotations
 
 import contextlib
-import socket
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from actors.rendezvous import (
+    GroupJoinError,
+    bind_master_store,
+    connect_store,
+    gloo_device,
+    joined_members,
+    node_ip,
+    register,
+    socket_ifname_env,
+)
+
+__all__ = ["GroupJoinError", "TensorMeta", "WeightGroup", "bind_master_store", "tensor_metas"]
 
 
 @dataclass(frozen=True)
@@ -49,40 +62,30 @@ def tensor_metas(state_dict: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
     ]
 
 
-def routable_ip() -> str:
-    """This host's address on its default route (no packet is sent), else loopback."""
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("10.254.254.254", 1))
-        return s.getsockname()[0]
-    return "127.0.0.1"
-
-
-def bind_master_store(timeout_s: float = 300.0) -> dist.TCPStore:
-    """Rank 0's ``TCPStore``, listening now on a port the OS picks (port 0; read it back
-    with ``.port``), so no other process can take the port between picking and binding it.
-    Hand it to :class:`WeightGroup` as ``store``."""
-    return dist.TCPStore(
-        "0.0.0.0", 0, is_master=True, timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )  # fmt: skip
-
-
 class WeightGroup:
     """One member of the weight-sync group.
 
+    Joining is bounded by ``join_timeout_s`` and visible (:mod:`actors.rendezvous`): the
+    member registers its address in rank 0's store, listens on its node IP (never on what
+    the hostname resolves to), and a group that does not form raises
+    :class:`actors.rendezvous.GroupJoinError` naming the members that did not join. Once
+    formed, each broadcast may take up to ``timeout_s``.
+
     Args:
-        host: address of rank 0's ``TCPStore`` (rank 0: its own routable address).
+        host: address of rank 0's ``TCPStore`` (rank 0: its own node IP).
         port: the store's port.
         rank: 0 for the learner, 1.. for the engines.
         world_size: 1 + number of engines.
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
-        timeout_s: how long a member waits for the others (joining, and each broadcast).
+        timeout_s: how long a broadcast waits for the other members (seconds).
         store: rank 0 only: its store already bound by :func:`bind_master_store` (``port``
             must be its port); None binds ``port`` here.
+        join_timeout_s: how long joining waits for every member (seconds).
+        local_ip: the address this member listens on (None: :func:`actors.rendezvous.node_ip`).
 
     Raises:
         ValueError: a bad rank, world size or backend.
-        RuntimeError / DistStoreError: the others did not join within ``timeout_s``.
+        GroupJoinError: the group did not form within ``join_timeout_s``.
     """
 
     def __init__(
@@ -94,6 +97,8 @@ class WeightGroup:
         backend: str = "gloo",
         timeout_s: float = 300.0,
         store: dist.TCPStore | None = None,
+        join_timeout_s: float = 60.0,
+        local_ip: str | None = None,
     ) -> None:
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(
@@ -101,29 +106,45 @@ class WeightGroup:
             )
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        timeout = timedelta(seconds=timeout_s)
+        if store is not None and (rank != 0 or store.port != port):
+            raise ValueError(f"a bound store is rank 0's on its own port ({store.port})")
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if backend == "nccl"
             else torch.device("cpu")
         )
-        if store is not None:
-            if rank != 0 or store.port != port:
-                raise ValueError(f"a bound store is rank 0's on its own port ({store.port})")
-            store.set_timeout(timeout)
-            self.store = store
-        else:
-            self.store = dist.TCPStore(
-                host, port, world_size, is_master=rank == 0, timeout=timeout,
-                wait_for_workers=False,
-            )  # fmt: skip
+        self.local_ip = local_ip or node_ip()
+        what = f"the weight-sync group ({world_size} members, store {host}:{port})"
+        try:
+            self.store = connect_store(host, port, rank, join_timeout_s, store)
+        except Exception as e:  # DistStoreError / RuntimeError: rank 0 never answered
+            raise GroupJoinError(
+                what, world_size, join_timeout_s, {}, {0: f"rank 0 (store {host}:{port})"},
+                cause=f"rank {rank} at {self.local_ip}: {str(e).splitlines()[0]}",
+            ) from None  # fmt: skip
         prefixed = dist.PrefixStore("stppo-weights", self.store)
-        if backend == "gloo":
-            self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        else:
-            self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
-        self.barrier()  # every member is connected before anyone broadcasts
+        try:
+            if backend == "gloo":
+                device, where = gloo_device(self.local_ip)
+                register(self.store, rank, {"ip": self.local_ip, "address": where})
+                options = dist.ProcessGroupGloo._Options()
+                options._devices = [device]
+                options._timeout = timedelta(seconds=join_timeout_s)
+                self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+            else:
+                for name, value in socket_ifname_env(self.local_ip, backend).items():
+                    os.environ[name] = value
+                where = f"{self.local_ip} (NCCL_SOCKET_IFNAME={os.environ.get('NCCL_SOCKET_IFNAME', '')})"
+                register(self.store, rank, {"ip": self.local_ip, "address": where})
+                self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+            self.barrier()  # every member is connected before anyone broadcasts
+        except Exception as e:
+            joined = joined_members(self.store, world_size)
+            raise GroupJoinError(
+                what, world_size, join_timeout_s, joined, cause=str(e).splitlines()[0]
+            ) from None
+        self.group.set_timeout(timedelta(seconds=timeout_s))
 
     def barrier(self) -> None:
         """Wait until every member gets here (a 1-element all-reduce)."""

@@ -8,25 +8,38 @@ MASTER_ADDR=127.0.0.1 MASTER_PORT=<free port>`` unless a launcher (``torchrun``,
 ``deepspeed``) already did, then calls ``deepspeed.init_distributed(backend)``
 (see ``../shared/spec/platform-notes.md``, "DeepSpeed 0.19.8 on CPU").
 
-It also calls :func:`services.env.configure_local_caches` first, so ``TORCH_EXTENSIONS_DIR``
-points at the project cache and the ~40 s JIT build of ``deepspeed_shm_comm`` happens once.
+Callers point ``TORCH_EXTENSIONS_DIR`` at the project cache first
+(:func:`services.env.configure_local_caches`; Ray actors get it in their runtime env), so the
+~40 s JIT build of ``deepspeed_shm_comm`` happens once. This module imports nothing from
+``services``.
 
 A learner group (``learner.num_ranks > 1``, ``services/learner_group.py``) calls
 :func:`init_rank_distributed` in each rank's process first, with the rendezvous address
 rank 0 published; the learner's own call to :func:`init_single_process_distributed` then
-finds the group initialised and only reports it. :func:`balanced_shards` splits trajectories
+finds the group initialised and only reports it. Across nodes each rank listens on its node
+IP (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set to the interface holding it, unless
+the user set them) and joining is bounded by its own timeout, with an error naming the rank
+that did not join (:mod:`actors.rendezvous`). :func:`balanced_shards` splits trajectories
 across ranks by token count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from services.env import configure_local_caches
+from actors.rendezvous import (
+    GroupJoinError,
+    connect_store,
+    joined_members,
+    node_ip,
+    register,
+    socket_ifname_env,
+)
 
 
 @dataclass(frozen=True)
@@ -64,13 +77,19 @@ def init_rank_distributed(
     master_port: int,
     backend: str = "gloo",
     timeout_s: float = 600.0,
+    join_timeout_s: float = 60.0,
+    local_ip: str | None = None,
 ) -> DistributedInfo:
     """Join rank ``rank`` of a ``world_size``-process group at ``master_addr:master_port``.
 
     Sets ``RANK WORLD_SIZE MASTER_ADDR MASTER_PORT`` (overriding inherited values) and
     ``LOCAL_RANK=0`` (each rank is its own Ray actor, which sees only its own GPU as
-    ``cuda:0``), then ``deepspeed.init_distributed``. Every rank must call it with the same
-    address; it returns once all ``world_size`` ranks joined (TCP store on rank 0).
+    ``cuda:0``), and ``GLOO_SOCKET_IFNAME`` (``NCCL_SOCKET_IFNAME`` for nccl) to the
+    interface holding ``local_ip`` unless already set; connects to rank 0's TCP store (rank
+    0 hosts it on ``master_port``), registers its address there, forms the group with
+    ``torch.distributed.init_process_group`` on that store, then hands it to
+    ``deepspeed.init_distributed``. Every rank must call it with the same address; it
+    returns once all ``world_size`` ranks joined, or raises after ``join_timeout_s``.
 
     Args:
         rank: this process's rank, 0 <= rank < world_size.
@@ -79,16 +98,20 @@ def init_rank_distributed(
         backend: ``gloo`` (CPU) or ``nccl`` (GPU).
         timeout_s: collective timeout (seconds); a rank that stops answering fails the
             others' collectives after this long instead of hanging them forever.
+        join_timeout_s: how long forming the group may take (seconds).
+        local_ip: the address this rank listens on (None:
+            :func:`actors.rendezvous.node_ip`, Ray's node IP in a Ray actor).
 
     Raises:
         ValueError: bad rank / world size / backend, or a group already initialised with
             another size.
+        actors.rendezvous.GroupJoinError: the group did not form within ``join_timeout_s``
+            (names the ranks that did not join and the variable to set).
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a group of {world_size}")
-    configure_local_caches()
     import deepspeed
     import torch.distributed as dist
 
@@ -99,6 +122,8 @@ def init_rank_distributed(
                 f"{dist.get_world_size()}, asked for rank {rank} of {world_size}"
             )
     else:
+        local_ip = local_ip or node_ip()
+        os.environ.update(socket_ifname_env(local_ip, backend))
         os.environ.update(
             {
                 "RANK": str(rank),
@@ -109,6 +134,8 @@ def init_rank_distributed(
             }
         )
         os.environ.pop(_SELF_INIT_ENV, None)
+        _form_group(rank, world_size, master_addr, master_port, backend, local_ip, join_timeout_s)
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
         deepspeed.init_distributed(
             dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s)
         )
@@ -118,6 +145,49 @@ def init_rank_distributed(
         backend=dist.get_backend(),
         master_port=int(os.environ["MASTER_PORT"]),
     )
+
+
+def _form_group(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str,
+    local_ip: str,
+    join_timeout_s: float,
+) -> None:
+    """``init_process_group`` on rank 0's store, bounded by ``join_timeout_s``, with every
+    rank's address registered so a failure names who did not join."""
+    import torch.distributed as dist
+
+    what = f"the learner group ({world_size} ranks, rendezvous {master_addr}:{master_port})"
+    try:
+        store = connect_store(master_addr, master_port, rank, join_timeout_s)
+    except Exception as e:  # rank 0's store never answered
+        raise GroupJoinError(
+            what, world_size, join_timeout_s, {}, {0: f"rank 0 ({master_addr}:{master_port})"},
+            cause=f"rank {rank} at {local_ip}: {str(e).splitlines()[0]}",
+        ) from None  # fmt: skip
+    ifvar = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    where = f"{local_ip} ({ifvar}={os.environ.get(ifvar, 'unset')})"
+    register(store, rank, {"ip": local_ip, "address": where})
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("stppo-learner", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=join_timeout_s),
+        )
+        if backend == "gloo":
+            dist.barrier()  # gloo connects here: a peer that cannot be reached shows now
+    except Exception as e:
+        joined = joined_members(store, world_size)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        raise GroupJoinError(
+            what, world_size, join_timeout_s, joined, cause=str(e).splitlines()[0]
+        ) from None
 
 
 def balanced_shards(rows: Sequence[int], tokens: Sequence[int], world_size: int) -> list[list[int]]:
@@ -163,7 +233,6 @@ def init_single_process_distributed(backend: str = "gloo") -> DistributedInfo:
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    configure_local_caches()
     import deepspeed
     import torch.distributed as dist
 

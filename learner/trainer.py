@@ -1245,21 +1245,33 @@ class Learner:
     # ------------------------------------------------------------------ collective weight sync
 
     def weight_group_address(self) -> tuple[str, int]:
-        """(routable IP, port) where rank 0 hosts the weight-sync group's store
+        """(node IP, port) where rank 0 hosts the weight-sync group's store
         (``sync.transport = "collective"``, :mod:`actors.weight_group`). The store is bound
-        here, on a port the OS picks, and kept for :meth:`join_weight_group`."""
-        from actors.weight_group import bind_master_store, routable_ip
+        here, on every interface and a port the OS picks, and kept for
+        :meth:`join_weight_group`; the address is this node's as Ray knows it
+        (:func:`actors.rendezvous.node_ip`), never the hostname's or the default route's."""
+        from actors.rendezvous import bind_master_store, node_ip
 
         self._weight_store = bind_master_store()
-        return routable_ip(), self._weight_store.port
+        return node_ip(), self._weight_store.port
 
     def join_weight_group(
-        self, host: str, port: int, world_size: int, backend: str, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        join_timeout_s: float = 60.0,
     ) -> list:
         """Rank 0 joins the weight-sync group as its rank 0 (blocks until every engine has
-        joined) and returns the broadcast plan (a :class:`actors.weight_group.TensorMeta`
-        per exported tensor); other ranks take part in the export only (ZeRO-3 gathers)
-        and return ``[]``."""
+        joined, at most ``join_timeout_s``) and returns the broadcast plan (a
+        :class:`actors.weight_group.TensorMeta` per exported tensor); other ranks take part
+        in the export only (ZeRO-3 gathers) and return ``[]``.
+
+        Raises:
+            actors.rendezvous.GroupJoinError: the group did not form in time (names who is
+                missing)."""
         from actors.weight_group import WeightGroup, tensor_metas
 
         metas = tensor_metas(self.export_weights().state_dict)
@@ -1269,7 +1281,9 @@ class Learner:
         store, self._weight_store = getattr(self, "_weight_store", None), None
         if store is not None and store.port != port:
             store = None  # an address from another call: bind the port given
-        self._weight_group = WeightGroup(host, port, 0, world_size, backend, timeout_s, store)
+        self._weight_group = WeightGroup(
+            host, port, 0, world_size, backend, timeout_s, store, join_timeout_s
+        )
         self._weight_metas = metas
         return metas
 

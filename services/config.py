@@ -161,8 +161,14 @@ class SyncConfig(StrictModel):
     :mod:`services.weight_sync`)."""
 
     collective_timeout_s: float = Field(1800.0, gt=0.0, le=86_400.0)
-    """``collective``: how long a member waits for the others, joining and per broadcast.
-    An engine takes part when its current generation batch ends, so this bounds a batch."""
+    """``collective``: how long a member waits for the others in one broadcast. An engine
+    takes part when its current generation batch ends, so this bounds a batch."""
+
+    join_timeout_s: float = Field(60.0, gt=0.0, le=3_600.0)
+    """``collective``: how long forming the group may take (learner and every engine
+    connect to each other). A group that does not form stops the run with an error naming
+    the member that did not join and its address (:mod:`actors.rendezvous`); the driver
+    prints who has joined while it waits."""
 
     fixed_lag: bool = False
     """Exact staleness (:mod:`services.lagged_sync`): engines hold the weights exactly
@@ -269,6 +275,11 @@ class RayConfig(StrictModel):
     it where the cluster autoscales (KubeRay: the rollout group's ``maxReplicas`` x actors
     per pod), since the nodes are not there yet at start. A ``rollout.num_actors`` above it
     fails at start and is refused live with 422, instead of leaving actors pending."""
+
+    learner_join_timeout_s: float = Field(120.0, gt=0.0, le=3_600.0)
+    """``learner.num_ranks > 1``: how long forming the learner ranks' process group may
+    take, separate from its per-collective timeout; an error names the rank that did not
+    join (:func:`learner.distributed.init_rank_distributed`)."""
 
     max_actor_restarts: int = Field(3, ge=0)
     """Restarts of a crashed rollout actor before the run fails."""

@@ -267,9 +267,13 @@ class Driver:
             self.cfg.sync.transport,
             backend="nccl" if self.cfg.ray.learner_gpus > 0 else "gloo",
             timeout_s=self.cfg.sync.collective_timeout_s,
+            join_timeout_s=self.cfg.sync.join_timeout_s,
+            say=self.progress.say,
         )
         self.sampler = QuestionSampler.from_data(self.cfg.data, "train", self.cfg.run.seed)
-        self.learner = create_learner_group(self.cfg)  # learner.num_ranks actors, one handle
+        self.learner = create_learner_group(
+            self.cfg, say=self.progress.say
+        )  # learner.num_ranks actors, one handle
         self._closers.append(self.learner.shutdown)
         self.buffer = create_buffer_actor(self.cfg)
         ray.get(self.buffer.set_capacity.remote(self.cfg.effective_buffer_capacity))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -62,6 +63,12 @@ class LearnerRank:
         ip = ray.util.get_node_ip_address()
         return ip, find_free_port("0.0.0.0")
 
+    def node_address(self) -> str:
+        """The address this rank listens on (its node's IP as Ray knows it)."""
+        from actors.rendezvous import node_ip
+
+        return node_ip()
+
     def setup(
         self,
         master_addr: str,
@@ -72,9 +79,10 @@ class LearnerRank:
         algorithm: Any,
         seed: int,
         temperature: float,
+        join_timeout_s: float = 120.0,
     ) -> dict[str, Any]:
         """Join the group, build the learner; returns this rank's pid, node and device."""
-        backend = self.join(master_addr, master_port, timeout_s)
+        backend = self.join(master_addr, master_port, timeout_s, join_timeout_s)
         self.build(model_path, config, algorithm, seed, temperature)
         return {
             "rank": self.rank,
@@ -84,16 +92,27 @@ class LearnerRank:
             "backend": backend,
         }
 
-    def join(self, master_addr: str, master_port: int, timeout_s: float = 600.0) -> str:
-        """Join the ``torch.distributed`` group (every rank at once); returns the backend."""
+    def join(
+        self,
+        master_addr: str,
+        master_port: int,
+        timeout_s: float = 600.0,
+        join_timeout_s: float = 120.0,
+    ) -> str:
+        """Join the ``torch.distributed`` group (every rank at once, listening on this
+        node's IP; at most ``join_timeout_s``); returns the backend.
+
+        Raises:
+            actors.rendezvous.GroupJoinError: the group did not form in time."""
         import torch
 
         from learner.distributed import init_rank_distributed
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         init_rank_distributed(
-            self.rank, self.world_size, master_addr, master_port, backend, timeout_s
-        )
+            self.rank, self.world_size, master_addr, master_port, backend, timeout_s,
+            join_timeout_s,
+        )  # fmt: skip
         return backend
 
     def build(
@@ -192,7 +211,9 @@ class LearnerGroup:
     Args:
         cfg: the run config (model path, learner and algorithm sections, seed, temperature,
             Ray resources).
-        timeout_s: collective timeout of the process group (seconds).
+        timeout_s: collective timeout of the process group (seconds); forming it is bounded
+            by ``ray.learner_join_timeout_s`` instead.
+        say: where the group's join progress goes (the driver's console).
 
     Raises:
         TimeoutError: the cluster did not grant the bundles within
@@ -207,7 +228,9 @@ class LearnerGroup:
         group.shutdown()
     """
 
-    def __init__(self, cfg: RunConfig, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, cfg: RunConfig, timeout_s: float = 600.0, say: Callable[[str], None] = print
+    ) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -238,6 +261,7 @@ class LearnerGroup:
                 ray.remote(LearnerRank).options(**options).remote(rank, self.num_ranks)
             )
         addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
+        join_timeout_s = cfg.ray.learner_join_timeout_s
         setups = [
             r.setup.remote(
                 addr,
@@ -248,15 +272,46 @@ class LearnerGroup:
                 cfg.algorithm,
                 cfg.run.seed,
                 cfg.rollout.temperature,
+                join_timeout_s,
             )
             for r in self.ranks
         ]
         try:
+            if self.num_ranks > 1:
+                self._wait_for_join(addr, port, join_timeout_s, say)
             ray.get(_collect.remote(setups, None, "setup"))
         except Exception:
             self.shutdown()
             raise
         self.rank_info = ray.get(setups)
+
+    def _wait_for_join(
+        self, addr: str, port: int, join_timeout_s: float, say: Callable[[str], None]
+    ) -> None:
+        """Say who has joined the ranks' group while it forms (read from rank 0's store);
+        returns when all have, or after ``join_timeout_s`` (the ranks then raise their own
+        :class:`actors.rendezvous.GroupJoinError`, naming who did not join)."""
+        from services.weight_sync import JOIN_PROGRESS_S, StorePeek
+
+        ips = ray.get([r.node_address.remote() for r in self.ranks])
+        names = {rank: f"learner rank {rank} ({ip})" for rank, ip in enumerate(ips)}
+        say(
+            f"[learner] forming the learner group at {addr}:{port}: "
+            + ", ".join(names.values()) + f" (join timeout {join_timeout_s:g} s)"
+        )  # fmt: skip
+        peek = StorePeek(addr, port, self.num_ranks)
+        started = time.monotonic()
+        last = ""
+        while (waited := time.monotonic() - started) < join_timeout_s:
+            joined = peek.joined() or {}
+            if len(joined) == self.num_ranks:
+                return
+            missing = ", ".join(names[r] for r in names if r not in joined)
+            status = f"{len(joined)}/{self.num_ranks} joined; waiting for {missing}"
+            if status != last and waited > JOIN_PROGRESS_S:
+                say(f"[learner] learner group: {status} ({waited:.0f} s of {join_timeout_s:g})")
+                last = status
+            time.sleep(1.0)
 
     def __getattr__(self, name: str) -> _Method:
         if name.startswith("_"):
@@ -306,6 +361,6 @@ class LearnerGroup:
             self.placement_group = None
 
 
-def create_learner_group(cfg: RunConfig) -> LearnerGroup:
+def create_learner_group(cfg: RunConfig, say: Callable[[str], None] = print) -> LearnerGroup:
     """The learner group of ``cfg`` (one rank when ``learner.num_ranks = 1``)."""
-    return LearnerGroup(cfg)
+    return LearnerGroup(cfg, say=say)

@@ -26,6 +26,7 @@ Transports:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -109,12 +110,23 @@ class CollectiveWeightSync:
     Args:
         backend: ``"gloo"`` or ``"nccl"`` (learner rank 0's device decides: nccl needs CUDA
             tensors on every member).
-        timeout_s: join and per-broadcast timeout of every member.
+        timeout_s: per-broadcast timeout of every member.
+        join_timeout_s: how long forming the group may take; while it forms, ``say`` is
+            told every :data:`JOIN_PROGRESS_S` who has joined.
+        say: where progress lines go (the driver's console).
     """
 
-    def __init__(self, backend: str = "gloo", timeout_s: float = 1800.0) -> None:
+    def __init__(
+        self,
+        backend: str = "gloo",
+        timeout_s: float = 1800.0,
+        join_timeout_s: float = 60.0,
+        say: Callable[[str], None] = print,
+    ) -> None:
         self.backend = backend
         self.timeout_s = timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.say = say
         self._members: list[Any] = []  # engine handles in the group, in rank order
         self._metas: list[Any] = []
         self._learner: Any = None
@@ -125,7 +137,7 @@ class CollectiveWeightSync:
         over: a half-formed group is left by every member)."""
         import ray
 
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.join_timeout_s
         while True:
             try:
                 return self._try_form_group(learner, engines)
@@ -142,16 +154,29 @@ class CollectiveWeightSync:
         ray.get(
             [learner.leave_weight_group.remote()] + [e.leave_weight_group.remote() for e in engines]
         )
+        addresses = ray.get([e.node_address.remote() for e in engines])
         host, port = ray.get(learner.weight_group_address.remote())
         world = len(engines) + 1
+        names = {0: f"learner ({host})"}
+        names.update({r: f"engine {r} ({ip})" for r, ip in enumerate(addresses, start=1)})
+        self.say(
+            f"[sync] forming the weight-sync group at {host}:{port}: "
+            + ", ".join(names[r] for r in range(world))
+            + f" (join timeout {self.join_timeout_s:g} s)"
+        )
         metas_ref = learner.join_weight_group.remote(
-            host, port, world, self.backend, self.timeout_s
+            host, port, world, self.backend, self.timeout_s, self.join_timeout_s
         )
         joins = [
-            e.join_weight_group.remote(host, port, rank, world, self.backend, self.timeout_s)
+            e.join_weight_group.remote(
+                host, port, rank, world, self.backend, self.timeout_s, self.join_timeout_s
+            )
             for rank, e in enumerate(engines, start=1)
         ]
-        ray.get(joins)
+        wait_for_group(
+            [metas_ref, *joins], host, port, names, self.join_timeout_s, "the weight-sync group",
+            self.say,
+        )  # fmt: skip
         self._metas = ray.get(metas_ref)
         self._members = list(engines)
         self.groups_formed += 1
@@ -195,20 +220,124 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset", "Timed out", "tim
 """Error texts of a collective whose peer died or stopped answering (gloo, nccl)."""
 
 
+JOIN_PROGRESS_S = 5.0
+"""Seconds between two progress lines while a process group forms."""
+
+JOIN_GRACE_S = 15.0
+"""Past the members' own join timeout, how long the driver waits for them to report."""
+
+
+def wait_for_group(
+    refs: list[Any],
+    host: str,
+    port: int,
+    names: dict[int, str],
+    join_timeout_s: float,
+    what: str,
+    say: Callable[[str], None] = print,
+) -> None:
+    """Wait for the members' join calls (``refs``) while the group forms, saying every
+    :data:`JOIN_PROGRESS_S` who has joined (read from the group's store at ``host:port``,
+    which the driver reaches as a client; if it cannot, it says so once and keeps waiting).
+
+    Args:
+        refs: one object ref per member's join call.
+        host, port: rank 0's store.
+        names: rank -> a label with its address, for messages.
+        join_timeout_s: the members' join timeout.
+        what: the group's name for messages.
+        say: where progress lines go.
+
+    Raises:
+        actors.rendezvous.GroupJoinError: the members gave up (their error, which names who
+            did not join), or they did not report within ``join_timeout_s`` +
+            :data:`JOIN_GRACE_S` (then the driver's own view of the store names them).
+    """
+    import ray
+
+    from actors.rendezvous import GroupJoinError
+
+    started = time.monotonic()
+    pending = list(refs)
+    peek = StorePeek(host, port, len(names))
+    last = ""
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=JOIN_PROGRESS_S)
+        if not pending:
+            break
+        waited = time.monotonic() - started
+        joined = peek.joined()
+        if joined is None:
+            status = "store not reachable from the driver to show progress"
+        else:
+            missing = [names[r] for r in sorted(names) if r not in joined]
+            status = f"{len(joined)}/{len(names)} joined; waiting for " + ", ".join(missing)
+        if status != last:
+            say(f"[sync] {what}: {status} ({waited:.0f} s of {join_timeout_s:g})")
+            last = status
+        if waited > join_timeout_s + JOIN_GRACE_S:
+            raise GroupJoinError(
+                what, len(names), join_timeout_s, joined or {}, names,
+                cause=f"no member reported after {waited:.0f} s",
+            )  # fmt: skip
+    try:
+        ray.get(refs)
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(getattr(e, "cause", None), GroupJoinError) else None
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+class StorePeek:
+    """A client of a group's store that reads who has joined; it (re)connects on each
+    call until it can, so a store that is not bound yet only means "nothing to show"."""
+
+    def __init__(self, host: str, port: int, world_size: int) -> None:
+        self.host, self.port, self.world_size = host, port, world_size
+        self.store: Any = None
+
+    def joined(self) -> dict[int, dict] | None:
+        """Rank -> info of the members registered so far; None if the store is out of
+        reach from here."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from actors.rendezvous import joined_members
+
+        try:
+            if self.store is None:
+                self.store = dist.TCPStore(
+                    self.host, self.port, is_master=False, timeout=timedelta(seconds=2),
+                    wait_for_workers=False,
+                )  # fmt: skip
+            return joined_members(self.store, self.world_size)
+        except Exception:
+            self.store = None
+            return None
+
+
 def _ids(handles: list[Any]) -> list[Any]:
     """Ray actor ids of ``handles`` (handles to one actor are different objects)."""
     return [getattr(h, "_actor_id", h) for h in handles]
 
 
 def make_weight_sync(
-    transport: str, backend: str = "gloo", timeout_s: float = 1800.0
+    transport: str,
+    backend: str = "gloo",
+    timeout_s: float = 1800.0,
+    join_timeout_s: float = 60.0,
+    say: Callable[[str], None] = print,
 ) -> WeightSync:
     """The transport named in ``sync.transport``.
 
     Args:
         transport: ``"object_store"`` or ``"collective"``.
         backend: the ``collective`` group's backend (``"gloo"`` / ``"nccl"``).
-        timeout_s: the ``collective`` group's timeout.
+        timeout_s: the ``collective`` group's per-broadcast timeout.
+        join_timeout_s: how long forming the ``collective`` group may take.
+        say: where the ``collective`` group's join progress goes.
 
     Raises:
         ValueError: an unknown transport.
@@ -216,5 +345,5 @@ def make_weight_sync(
     if transport == "object_store":
         return ObjectStoreWeightSync()
     if transport == "collective":
-        return CollectiveWeightSync(backend, timeout_s)
+        return CollectiveWeightSync(backend, timeout_s, join_timeout_s, say)
     raise ValueError(f"unknown weight-sync transport {transport!r}")

@@ -7,7 +7,9 @@ a category listed in ``STPPO_ALLOW_SKIP`` (comma-separated, e.g. ``STPPO_ALLOW_S
 
 - ``prometheus``: the Prometheus / promtool binaries are missing;
 - ``vllm``: the ``vllm`` package is not importable (or, for the reverse test, it is);
-- ``kubectl`` / ``wget``: those command-line tools are missing.
+- ``kubectl`` / ``wget``: those command-line tools are missing;
+- ``netns``: network namespaces cannot be made (not root, no iproute2): the tests that
+  cross a network (``services/netns.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ SKIP_CATEGORIES: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm",),
     "kubectl": ("kubectl",),
     "wget": ("wget",),
+    "netns": ("netns:",),
 }
 
 

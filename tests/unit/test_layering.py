@@ -1,0 +1,54 @@
+"""The one-way import rule: ``learner/`` and ``actors/`` import nothing from ``services``
+and run without Ray (the GPU machine has neither Ray nor the services' dependencies)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from services.env import PROJECT_ROOT
+
+LOWER = ("learner", "actors")
+
+
+def _modules(package: str) -> list:
+    return sorted((PROJECT_ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", LOWER)
+def test_no_services_imports(package):
+    offenders = []
+    for path in _modules(package):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            offenders += [
+                f"{path.relative_to(PROJECT_ROOT)}:{node.lineno} {n}"
+                for n in names
+                if n == "services" or n.startswith("services.")
+            ]
+    assert offenders == [], offenders
+
+
+def test_importable_without_ray():
+    modules = [
+        f"{p}.{m.stem}" for p in LOWER for m in _modules(p)
+        if m.stem != "__init__" and m.parent.name == p
+    ]  # fmt: skip
+    code = (
+        "import sys; sys.modules['ray'] = None\n"  # `import ray` raises ImportError
+        f"import importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
+        "assert not any(k.startswith('services') for k in sys.modules), "
+        "[k for k in sys.modules if k.startswith('services')]\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
