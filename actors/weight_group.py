@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,7 +38,15 @@ from actors.rendezvous import (
     socket_ifname_env,
 )
 
-__all__ = ["GroupJoinError", "TensorMeta", "WeightGroup", "bind_master_store", "tensor_metas"]
+__all__ = [
+    "GroupAborted",
+    "GroupJoinError",
+    "TensorMeta",
+    "WeightGroup",
+    "abort_group",
+    "bind_master_store",
+    "tensor_metas",
+]
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,30 @@ def tensor_metas(state_dict: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
         TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
         for name, t in state_dict.items()
     ]
+
+
+ABORT_KEY = "stppo/abort"
+"""Store key whose presence makes every member's pending collective raise :class:`GroupAborted`."""
+
+ABORT_POLL_S = 0.5
+"""How often a waiting member checks for :data:`ABORT_KEY` (one store round trip)."""
+
+
+class GroupAborted(RuntimeError):
+    """The driver aborted the weight-sync group (a member was lost); it is formed again."""
+
+
+def abort_group(host: str, port: int, reason: str, timeout_s: float = 5.0) -> None:
+    """Make every member of the group whose store is ``host:port`` stop waiting: their
+    pending and later collectives raise :class:`GroupAborted` with ``reason``.
+
+    Raises:
+        RuntimeError / DistStoreError: the store is not reachable within ``timeout_s``.
+    """
+    store = dist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    store.set(ABORT_KEY, reason)
 
 
 class WeightGroup:
@@ -149,12 +182,34 @@ class WeightGroup:
     def barrier(self) -> None:
         """Wait until every member gets here (a 1-element all-reduce)."""
         flag = torch.zeros(1, device=self.device)
-        self.group.allreduce([flag]).wait()
+        self._wait(self.group.allreduce([flag]))
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self.group.broadcast([tensor], options).wait()
+        self._wait(self.group.broadcast([tensor], options))
+
+    def _wait(self, work: dist.Work) -> None:
+        """Wait for a collective, checking every :data:`ABORT_POLL_S` whether the driver
+        aborted the group (a member's node is gone: its peers would otherwise wait for it
+        until the per-broadcast timeout; gloo's own ``abort`` does not wake them).
+
+        Raises:
+            GroupAborted: :func:`abort_group` was called on this group's store.
+            RuntimeError: the collective failed (gloo/nccl's error: timeout, peer lost).
+        """
+        delay = 1e-4
+        next_check = time.monotonic() + ABORT_POLL_S
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + ABORT_POLL_S
+                if self.store.check([ABORT_KEY]):
+                    reason = self.store.get(ABORT_KEY).decode()
+                    raise GroupAborted(f"weight-sync group aborted: {reason}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        work.wait()
 
     def send(
         self, state_dict: Mapping[str, torch.Tensor], metas: list[TensorMeta], version: int

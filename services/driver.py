@@ -65,6 +65,7 @@ class RolloutSlot:
     started_s: float = 0.0
     first_draw: int = -1  # sampler draw index of the running rollout's first question
     crashes_in_a_row: int = 0  # crashes since its last completed rollout
+    lost: bool = False  # crashed, and not back yet (Ray restarts it where it can be placed)
 
 
 @dataclass
@@ -108,6 +109,7 @@ class Driver:
         self._step_take: Any = None
         self._sync: Any = None
         self._pending_acks: dict[Any, tuple[float, float]] = {}
+        self._revival_acks: dict[Any, RolloutSlot] = {}  # weight loads queued on lost actors
         self._rollout_tokens = 0
         self._rollout_trajs = 0
         self._rollout_durations_s: list[float] = []
@@ -283,6 +285,11 @@ class Driver:
             f"{len(self.slots)} rollout actor(s), {self.learner.num_ranks} learner rank(s), "
             "1 buffer on Ray"
         )
+        nodes = ray.get([slot.handle.node_address.remote() for slot in self.slots])
+        self.progress.say(
+            "rollout actors on "
+            + ", ".join(f"{slot.index}: {ip}" for slot, ip in zip(self.slots, nodes, strict=True))
+        )
         if self.cfg.rollout.engine_metrics_port is not None:
             urls = ray.get([slot.handle.metrics_url.remote() for slot in self.slots])
             for slot, url in zip(self.slots, urls, strict=True):
@@ -360,12 +367,26 @@ class Driver:
         self.state.actor_restarts += 1
         self.metrics.actor_restarts_total.inc()
         self.progress.say(
-            f"rollout actor {slot.index} crashed ({type(error).__name__}); restarting"
+            f"rollout actor {slot.index} crashed ({type(error).__name__}); restarting "
+            "(it rejoins with current weights once Ray has placed it again)"
         )
         log.warning("rollout actor %d crashed: %s", slot.index, error)
         slot.in_flight = None
+        self._mark_lost(slot, f"rollout actor {slot.index} lost ({type(error).__name__})")
+
+    def _mark_lost(self, slot: RolloutSlot, reason: str) -> None:
+        """Take a crashed actor out of syncs and admission until Ray has it back: the
+        collective group (if it is a member) is aborted so no survivor waits for it, and a
+        weight load is queued on it, which runs first when it restarts (its success brings
+        the slot back, :meth:`_on_sync_ack`)."""
+        if slot.lost:
+            return
+        slot.lost = True
+        self.weight_sync.on_member_lost(slot.handle, reason)
         if self._sync is not None:
-            self._track_acks(self.weight_sync.push_to(self._sync, [slot.handle]))
+            acks = self.weight_sync.push_to(self._sync, [slot.handle])
+            self._track_acks(acks)
+            self._revival_acks.update({ack: slot for ack in acks})
             slot.engine_version = self._sync.policy_version
 
     # ------------------------------------------------------------------ warm start / eval
@@ -550,7 +571,7 @@ class Driver:
         for v, c in self._in_flight_counts().items():
             unconsumed[v] = unconsumed.get(v, 0) + c
         for slot in self.slots:
-            if slot.in_flight is not None or slot.engine_version < 0:
+            if slot.in_flight is not None or slot.engine_version < 0 or slot.lost:
                 continue
             if not may_admit(
                 unconsumed, slot.engine_version, per_call, self._next_take_version(),
@@ -737,8 +758,10 @@ class Driver:
     # ------------------------------------------------------------------ weight sync
 
     def _sync_weights(self, blocking: bool) -> float:
-        """Push the learner's current weights to every engine; returns the export seconds."""
-        engines = [s.handle for s in self.slots]
+        """Push the learner's current weights to every engine that is not lost (a lost one
+        gets them when Ray has restarted it); returns the export seconds."""
+        live = [s for s in self.slots if not s.lost]
+        engines = [s.handle for s in live]
         if self.cfg.sync.fixed_lag:  # engines exactly buffer.max_staleness versions behind
             from services.lagged_sync import LaggedWeightSync
 
@@ -749,7 +772,7 @@ class Driver:
         else:
             handle = self.weight_sync.push(self.learner, engines, self.state.policy_version)
         self._sync = handle
-        for slot in self.slots:
+        for slot in live:
             slot.engine_version = handle.policy_version
         self._track_acks(handle.acks)
         if blocking:
@@ -766,10 +789,18 @@ class Driver:
         import ray
 
         export_s, _ = self._pending_acks.pop(ack)
+        revived = self._revival_acks.pop(ack, None)
         try:
             load_s = ray.get(ack)
-        except ray.exceptions.RayActorError:
-            return  # the actor crashed; _on_actor_crash re-syncs it
+        except ray.exceptions.RayActorError as e:
+            # an engine died before or during this sync: no survivor may wait for it
+            self.weight_sync.on_member_lost(
+                None, f"an engine died during a sync ({type(e).__name__})"
+            )
+            if revived is not None:
+                revived.lost = False  # it crashed again: _mark_lost queues another load
+                self._mark_lost(revived, f"rollout actor {revived.index} lost again")
+            return  # a crashed actor is re-synced by _on_actor_crash / _mark_lost
         except ray.exceptions.RayTaskError as e:
             # a collective sync broken by an engine that died mid-broadcast: the group is
             # formed again, and every engine re-synced, at the next sync
@@ -780,6 +811,25 @@ class Driver:
             return
         if isinstance(load_s, int | float):
             self.metrics.observe_weight_sync(export_s + float(load_s))
+        if revived is not None:
+            self._on_revived(revived)
+
+    def _on_revived(self, slot: RolloutSlot) -> None:
+        """A lost actor is back (Ray restarted it and it loaded the weights queued at the
+        crash): bring it up to the current version before its first rollout, then let it
+        take part in syncs and admission again."""
+        import ray
+
+        slot.lost = False
+        behind = self.state.policy_version - slot.engine_version
+        if self._sync is not None and behind > 0:
+            ray.get(self.weight_sync.push_to(self._sync, [slot.handle]))
+            slot.engine_version = self._sync.policy_version
+        node = ray.get(slot.handle.node_address.remote())
+        self.progress.say(
+            f"rollout actor {slot.index} is back on {node} with policy_version "
+            f"{slot.engine_version}"
+        )
 
     # ------------------------------------------------------------------ live changes
 

@@ -33,7 +33,7 @@ from typing import Any
 import ray
 
 from services.config import RunConfig
-from services.ray_actors import learner_actor_options
+from services.ray_actors import learner_actor_options, on_driver_node
 
 PLACEMENT_TIMEOUT_S = 300.0
 """Seconds to wait for the cluster to grant the learner group's bundles."""
@@ -158,6 +158,8 @@ def _rank_died_error(rank: int, error: Exception, method: str, checkpoint: str |
 @ray.remote(num_cpus=0, max_retries=0)
 def _collect(refs: list[Any], last_checkpoint: str | None, method: str) -> Any:
     """Rank 0's result once every rank finished ``method``; the first failure raises.
+    Runs on the driver's node (:func:`services.ray_actors.on_driver_node`), so losing a
+    rollout pod cannot fail a learner call.
 
     A rank whose actor died raises :class:`LearnerRankError` (naming the last
     checkpoint). An exception raised by the learner's method (a bad argument, a checkpoint
@@ -279,7 +281,9 @@ class LearnerGroup:
         try:
             if self.num_ranks > 1:
                 self._wait_for_join(addr, port, join_timeout_s, say)
-            ray.get(_collect.remote(setups, None, "setup"))
+            ray.get(
+                _collect.options(scheduling_strategy=on_driver_node()).remote(setups, None, "setup")
+            )
         except Exception:
             self.shutdown()
             raise
@@ -328,7 +332,9 @@ class LearnerGroup:
                 r.call.remote(method, *args, **kwargs)
             return first
         refs = [r.call.remote(method, *args, **kwargs) for r in self.ranks]
-        collected = _collect.remote(refs, self.last_checkpoint, method)
+        collected = _collect.options(scheduling_strategy=on_driver_node()).remote(
+            refs, self.last_checkpoint, method
+        )
         if method in ("save_checkpoint", "load_checkpoint"):
             path = args[0] if args else kwargs.get("directory")
             self._pending_checkpoint = (collected, str(path))

@@ -67,6 +67,11 @@ class WeightSync(Protocol):
         (the driver then goes on), False if the run must stop."""
         ...
 
+    def on_member_lost(self, engine: Any, reason: str) -> None:
+        """An engine (``None``: one not known) died or lost its node: nothing may wait for
+        it any more."""
+        ...
+
 
 def export_to_object_store(learner: Any, policy_version: int) -> tuple[Any, float]:
     """Have the learner export its weights into the object store; returns the reference and
@@ -103,6 +108,9 @@ class ObjectStoreWeightSync:
     def on_broken_sync(self, error: Exception) -> bool:
         return False  # a load that raised is a bug, not a transient fault
 
+    def on_member_lost(self, engine: Any, reason: str) -> None:
+        """Nothing waits on a lost engine here (each engine pulls on its own)."""
+
 
 class CollectiveWeightSync:
     """Process-group broadcast transport (see module docstring).
@@ -128,6 +136,7 @@ class CollectiveWeightSync:
         self.join_timeout_s = join_timeout_s
         self.say = say
         self._members: list[Any] = []  # engine handles in the group, in rank order
+        self._store_address: tuple[str, int] | None = None  # the formed group's store
         self._metas: list[Any] = []
         self._learner: Any = None
         self.groups_formed = 0
@@ -179,6 +188,7 @@ class CollectiveWeightSync:
         )  # fmt: skip
         self._metas = ray.get(metas_ref)
         self._members = list(engines)
+        self._store_address = (host, port)
         self.groups_formed += 1
 
     def push(self, learner: Any, engines: list[Any], policy_version: int) -> SyncHandle:
@@ -215,8 +225,32 @@ class CollectiveWeightSync:
         self._members = []
         return True
 
+    def on_member_lost(self, engine: Any, reason: str) -> None:
+        """Abort the group if ``engine`` (``None``: any) is a member: every member's pending
+        broadcast raises :class:`actors.weight_group.GroupAborted` (instead of waiting for
+        the lost one until ``collective_timeout_s``), and the next :meth:`push` forms the
+        group again from the engines that are left."""
+        if not self._members or self._store_address is None:
+            return
+        if engine is not None and _ids([engine])[0] not in _ids(self._members):
+            return
+        from actors.weight_group import abort_group
 
-_PEER_LOST = ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "NCCL")
+        self._members = []
+        host, port = self._store_address
+        try:
+            abort_group(host, port, reason)
+            self.say(
+                f"[sync] aborted the weight-sync group: {reason}; re-forming it at the next sync"
+            )
+        except Exception as e:  # the learner's store is out of reach: the timeout still bounds it
+            self.say(f"[sync] could not abort the weight-sync group at {host}:{port} ({e})")
+
+
+_PEER_LOST = (
+    "Connection closed by peer", "Connection reset", "Timed out", "timed out", "NCCL",
+    "weight-sync group aborted",
+)  # fmt: skip
 """Error texts of a collective whose peer died or stopped answering (gloo, nccl)."""
 
 

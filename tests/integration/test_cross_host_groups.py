@@ -76,7 +76,9 @@ def _finish(procs, timeout=90) -> list[str]:
 
 def test_hostname_does_not_resolve_inside_the_hosts(network):
     a = network.hosts["a"]
-    probe = a.run([sys.executable, "-c", f"import socket; socket.gethostbyname({socket.gethostname()!r})"])
+    probe = a.run(
+        [sys.executable, "-c", f"import socket; socket.gethostbyname({socket.gethostname()!r})"]
+    )
     assert probe.returncode != 0, "the machine's hostname resolves inside the namespace"
     route = a.run(["ip", "route", "show", "default"])
     assert route.stdout.strip() == "", route.stdout
