@@ -59,7 +59,8 @@ def run_single_turn(
         tokenizer: Its chat tokenizer.
         records: QA records (``id``, ``question``, ``golden_answers``, ``data_source``).
         mode: ``closed_book`` or ``rag``.
-        cfg: ``max_new_tokens_per_turn`` is the answer's token budget.
+        cfg: ``max_new_tokens_per_turn`` is the answer's token budget;
+            ``answer_normalization`` scores the answers.
         client: The retriever; required for ``rag``, unused for ``closed_book``.
 
     Returns:
@@ -99,7 +100,7 @@ def run_single_turn(
     if len(results) != len(records):
         raise RuntimeError(f"engine returned {len(results)} results for {len(records)} prompts")
     return [
-        _answered(tokenizer, r, prompt, result, mode, generation_s, retrieval_s)
+        _answered(tokenizer, r, prompt, result, mode, generation_s, retrieval_s, cfg)
         for r, prompt, result in zip(records, prompts, results, strict=True)
     ]
 
@@ -112,9 +113,10 @@ def _answered(
     mode: str,
     generation_s: float,
     retrieval_s: float,
+    cfg: RolloutConfig,
 ) -> Trajectory:
     text = tokenizer.decode(result.token_ids, skip_special_tokens=False)
-    reward = compute_reward(text, record)
+    reward = compute_reward(text, record, cfg.answer_normalization)
     n = len(result.token_ids)
     return Trajectory(
         prompt_ids=np.asarray(prompt, dtype=np.int64),

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.scoring import AnswerNormalization
+
 
 class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors, assignments are validated."""
@@ -90,6 +92,17 @@ class RolloutConfig(StrictModel):
 
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
+
+    answer_normalization: AnswerNormalization = "folded"
+    """How a free-text answer is normalised before exact match, in the training reward and
+    in every evaluation (:mod:`actors.scoring`). ``strict``: Search-R1's ``normalize_answer``
+    (lower case, drop ASCII punctuation and a/an/the, collapse whitespace); use it to compare
+    success rates with published Search-R1 numbers. ``folded`` (default): also folds
+    diacritics (NFKD) and drops Unicode punctuation, so a right answer written "Bogota" for
+    "Bogotá", or with a straight apostrophe for a curly one, still scores 1: the reward
+    should judge the answer, not its typography, and a wrong 0 is noise in the advantage.
+    The two agree whenever answer and alias are ASCII; multiple-choice answers score the
+    same either way."""
 
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=0.95)
     """vLLM KV-cache share of device memory (of RAM on CPU; 0.3 measured to work here).

@@ -2,8 +2,9 @@
 
 The answer is the content of the single ``<answer>...</answer>`` pair in the policy's own
 text (information blocks are not searched). Scoring uses :mod:`actors.scoring`: exact match
-of the normalised answer against any golden alias (``single_hop``, ``multi_hop``), option
-letter (``medical_mc``). A malformed output scores 0 and names its reason:
+of the normalised answer against any golden alias (``single_hop``, ``multi_hop``; ``folded``
+or Search-R1's ``strict`` normalisation, ``rollout.answer_normalization``), option letter
+(``medical_mc``). A malformed output scores 0 and names its reason:
 
 - ``no_answer``: no ``<answer>`` tag at all (ran out of turns or tokens, or stopped);
 - ``unclosed_answer``: ``<answer>`` opened but never closed (token budget hit);
@@ -24,7 +25,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from actors.scoring import score_answer
+from actors.scoring import AnswerNormalization, score_answer
 
 MALFORMED_REASONS = ("no_answer", "unclosed_answer", "multiple_answers", "empty_answer")
 """Every value :func:`extract_answer` may give as ``malformed_reason``."""
@@ -76,24 +77,28 @@ def extract_answer(policy_text: str) -> ExtractedAnswer:
     return ExtractedAnswer(answer, None)
 
 
-def compute_reward(policy_text: str, record: Mapping) -> RewardResult:
+def compute_reward(
+    policy_text: str, record: Mapping, normalization: AnswerNormalization = "folded"
+) -> RewardResult:
     """Score an episode's policy text against its QA record.
 
     Args:
         policy_text: Decoded policy turns (no information blocks).
         record: QA record with ``golden_answers`` and ``data_source`` (and, for
             ``medical_mc``, ``metadata.options``).
+        normalization: Free-text answer normalisation, ``folded`` (default) or ``strict``
+            (Search-R1's); see :mod:`actors.scoring`.
 
     Raises:
-        ValueError: the record lacks ``golden_answers`` or has an unknown ``data_source``
+        ValueError: the record lacks ``golden_answers``, or an unknown ``normalization``
             (from :func:`actors.scoring.score_answer`).
     """
     parsed = extract_answer(policy_text)
     if parsed.answer is None:
         # still validate the record so a broken record is not silently scored 0
-        score_answer(None, record)
+        score_answer(None, record, normalization)
         return RewardResult(0.0, False, None, parsed.malformed_reason)
-    success = score_answer(parsed.answer, record)
+    success = score_answer(parsed.answer, record, normalization)
     return RewardResult(1.0 if success else 0.0, success, parsed.answer, None)
 
 

@@ -167,7 +167,7 @@ def run_rollout(
         client: Retriever, normally the HTTP client (its failures mark trajectories ``retrieval_failed``).
         records: QA records, one episode each (repeat a record for a GRPO group).
         group_ids: Same length as ``records``; episodes of one question share an id.
-        cfg: Turn and token budgets, sampling settings.
+        cfg: Turn and token budgets, sampling settings, answer normalisation of the reward.
         temperature: Overrides ``cfg.temperature`` (0 = greedy evaluation).
 
     Returns:
@@ -198,7 +198,7 @@ def run_rollout(
     for e in episodes:
         if not e.done:  # only reachable after an invalid search in the last turn
             e.finish_reason = "max_turns"
-    trajectories = [_to_trajectory(tokenizer, e) for e in episodes]
+    trajectories = [_to_trajectory(tokenizer, e, cfg) for e in episodes]
     stats.num_trajectories = len(trajectories)
     stats.num_retrieval_failed_trajectories = sum(t.retrieval_failed for t in trajectories)
     stats.wall_s = time.perf_counter() - start
@@ -318,10 +318,10 @@ def _append_environment(e: _Episode, block: list[int], cfg: RolloutConfig) -> No
     e.append_environment(block)
 
 
-def _to_trajectory(tokenizer, e: _Episode) -> Trajectory:
+def _to_trajectory(tokenizer, e: _Episode, cfg: RolloutConfig) -> Trajectory:
     record = e.record
     failed = e.finish_reason == "retrieval_failed"
-    reward = compute_reward("\n".join(e.policy_texts), record)
+    reward = compute_reward("\n".join(e.policy_texts), record, cfg.answer_normalization)
     return Trajectory(
         prompt_ids=np.asarray(e.prompt_ids, dtype=np.int64),
         response_ids=np.asarray(e.response_ids, dtype=np.int64),

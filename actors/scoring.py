@@ -1,18 +1,30 @@
 """Answer scoring for rewards and evaluation (Search-R1 conventions).
 
-- Free-text answers (any ``data_source``: ``single_hop``, ``nq``, ``hotpotqa`` ...): exact match after SQuAD/Search-R1
-  normalisation (NFKD-fold diacritics, lower case, drop punctuation and the articles
-  a/an/the, collapse whitespace) against ANY of the golden aliases. Source: the SQuAD v1.1
-  evaluation script ``normalize_answer``, as reused by Search-R1 ``qa_em.py``; NFKD folding
-  added so "Bogotá" == "Bogota".
+- Free-text answers (any ``data_source``: ``single_hop``, ``nq``, ``hotpotqa`` ...): exact match
+  of the normalised answer against ANY of the golden aliases, with one of two normalisations
+  (:data:`ANSWER_NORMALIZATIONS`, config ``rollout.answer_normalization``):
+
+  - ``folded`` (the default): NFKD-fold diacritics, lower case, drop ASCII and Unicode
+    punctuation, drop the articles a/an/the, collapse whitespace. "Bogotá" == "Bogota" and
+    "Côte d’Ivoire" == "Cote d'Ivoire": a right answer is not scored 0 for an accent or a
+    typographic apostrophe that the golden alias and the model spell differently.
+  - ``strict``: Search-R1's own ``normalize_answer`` (the SQuAD v1.1 evaluation script, as
+    reused by Search-R1 ``search_r1/utils/reward_score/qa_em.py``): lower case, drop
+    ``string.punctuation`` (ASCII only), drop the articles, collapse whitespace. No folding:
+    "Bogotá" != "Bogota", and "’" or "–" stay in the text. Success rates in this mode are
+    comparable with published Search-R1 numbers; ``folded`` ones are not strictly (the two
+    modes agree whenever answer and alias are ASCII).
+
 - Multiple choice (records with ``metadata["options"]``, and ``medical_mc``): the option letter is extracted from the answer text
   ("B", "(B)", "B. text", "The answer is B", "b)", or the text of one option) and compared
-  with the golden letter.
+  with the golden letter. Option texts are always compared ``folded``.
 
 Example::
 
     >>> exact_match("The Eiffel  Tower!", ["Eiffel Tower"])
     True
+    >>> exact_match("Bogota", ["Bogotá"]), exact_match("Bogota", ["Bogotá"], "strict")
+    (True, False)
     >>> extract_option_letter("The answer is (c).")
     'C'
 """
@@ -23,15 +35,23 @@ import functools
 import re
 import string
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal, get_args
 
 DATA_SOURCES_EXACT_MATCH = ("single_hop", "multi_hop")
 DATA_SOURCES_MULTIPLE_CHOICE = ("medical_mc",)
 OPTION_LETTERS = ("A", "B", "C", "D")
 
+AnswerNormalization = Literal["folded", "strict"]
+"""How free-text answers are normalised before exact match (see the module docstring)."""
+
+ANSWER_NORMALIZATIONS: tuple[str, ...] = get_args(AnswerNormalization)
+"""Every :data:`AnswerNormalization` value: ``("folded", "strict")``."""
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
-# Unicode punctuation too (e.g. "–", "’", "«"), not just string.punctuation.
-_PUNCT = set(string.punctuation)
+# ASCII punctuation. The folded normalisation also drops Unicode punctuation (category P*:
+# "–", "’", "«"); the strict one, like Search-R1, only this set.
+_PUNCT = frozenset(string.punctuation)
 _PHRASE = r"(?:answer|option|choice)\s*(?:is|:|=|-)?\s*(?:option\s+|choice\s+)?"
 
 
@@ -54,7 +74,7 @@ def _letter_patterns(last: str) -> tuple[re.Pattern[str], ...]:
 
 
 def normalize_answer(s: str) -> str:
-    """Normalise an answer for exact match.
+    """Normalise an answer for exact match (the ``folded`` normalisation, the default).
 
     Steps: NFKD decomposition dropping combining marks (diacritics), lower case, remove
     punctuation (ASCII and Unicode category P*), remove the articles a/an/the, collapse
@@ -85,6 +105,52 @@ def normalize_answer(s: str) -> str:
     return " ".join(_ARTICLES.sub(" ", no_punct).split())
 
 
+def normalize_answer_strict(s: str) -> str:
+    """Normalise an answer exactly as Search-R1 does (the ``strict`` normalisation).
+
+    Steps, in Search-R1's order: lower case, remove ``string.punctuation`` (ASCII only),
+    remove the articles a/an/the, collapse whitespace. Diacritics and Unicode punctuation
+    are kept. Source: ``normalize_answer`` in Search-R1
+    ``search_r1/utils/reward_score/qa_em.py`` (the SQuAD v1.1 evaluation script).
+
+    Args:
+        s: answer text.
+
+    Returns:
+        The normalised string (may be empty).
+
+    Raises:
+        TypeError: ``s`` is not a ``str``.
+
+    Example::
+
+        >>> normalize_answer_strict("  The Río-Grande!")
+        'ríogrande'
+        >>> normalize_answer_strict("Côte d’Ivoire")
+        'côte d’ivoire'
+    """
+    if not isinstance(s, str):
+        raise TypeError(f"normalize_answer_strict expects str, got {type(s).__name__}")
+    no_punct = "".join(c for c in s.lower() if c not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", no_punct).split())
+
+
+def normalizer(normalization: AnswerNormalization = "folded") -> Callable[[str], str]:
+    """The normalising function of ``normalization``: :func:`normalize_answer` (``folded``)
+    or :func:`normalize_answer_strict` (``strict``).
+
+    Raises:
+        ValueError: ``normalization`` is not one of :data:`ANSWER_NORMALIZATIONS`.
+    """
+    if normalization == "folded":
+        return normalize_answer
+    if normalization == "strict":
+        return normalize_answer_strict
+    raise ValueError(
+        f"unknown answer normalization {normalization!r}; expected one of {ANSWER_NORMALIZATIONS}"
+    )
+
+
 def _check_golden(golden_answers: Sequence[str]) -> None:
     if isinstance(golden_answers, str):
         raise TypeError(
@@ -94,17 +160,26 @@ def _check_golden(golden_answers: Sequence[str]) -> None:
         raise ValueError("golden_answers is empty: nothing to match against")
 
 
-def exact_match(prediction: str | None, golden_answers: Sequence[str]) -> bool:
+def exact_match(
+    prediction: str | None,
+    golden_answers: Sequence[str],
+    normalization: AnswerNormalization = "folded",
+) -> bool:
     """True when the normalised prediction equals the normalised form of any alias.
+
+    A prediction that normalises to the empty string never matches (Search-R1's ``em_check``
+    would match it with an alias that also normalises to empty, such as "The").
 
     Args:
         prediction: the model's answer text (content of ``<answer>``); ``None`` (no answer)
             scores False.
         golden_answers: accepted aliases (non-empty list of strings).
+        normalization: ``folded`` (:func:`normalize_answer`) or ``strict`` (Search-R1's,
+            :func:`normalize_answer_strict`).
 
     Raises:
         TypeError: ``golden_answers`` is a bare string (a common bug: it would match chars).
-        ValueError: ``golden_answers`` is empty.
+        ValueError: ``golden_answers`` is empty, or an unknown ``normalization``.
 
     Example::
 
@@ -112,12 +187,13 @@ def exact_match(prediction: str | None, golden_answers: Sequence[str]) -> bool:
         True
     """
     _check_golden(golden_answers)
+    normalize = normalizer(normalization)
     if prediction is None:
         return False
-    pred = normalize_answer(prediction)
+    pred = normalize(prediction)
     if not pred:
         return False
-    return any(pred == normalize_answer(g) for g in golden_answers)
+    return any(pred == normalize(g) for g in golden_answers)
 
 
 def _first_group(match: re.Match[str] | None) -> str | None:
@@ -220,30 +296,36 @@ def is_multiple_choice(record: Mapping) -> bool:
     )
 
 
-def score_answer(prediction: str | None, record: Mapping) -> bool:
+def score_answer(
+    prediction: str | None, record: Mapping, normalization: AnswerNormalization = "folded"
+) -> bool:
     """Score an answer against a QA record, for any ``data_source``.
 
     Multiple choice (:func:`is_multiple_choice`: options present, or ``medical_mc``): the
     option letter of the answer must be a golden letter (:func:`option_letter_match`).
-    Anything else (``nq``, ``hotpotqa``, ``single_hop``, your own set): Search-R1's
-    normalised exact match against any golden answer (:func:`exact_match`).
+    Anything else (``nq``, ``hotpotqa``, ``single_hop``, your own set): normalised exact
+    match against any golden answer (:func:`exact_match` with ``normalization``).
 
     Args:
         prediction: the model's final answer (content of ``<answer>``), or ``None``.
         record: a QA record ``{"golden_answers": [...], "data_source": ..., "metadata":
             {...}}``; ``metadata["options"]`` (letter -> text) when multiple choice.
+        normalization: free-text normalisation, ``folded`` or ``strict`` (module docstring);
+            unused for multiple choice.
 
     Returns:
         True when correct.
 
     Raises:
-        ValueError: missing or empty ``golden_answers`` (names the key).
+        ValueError: missing or empty ``golden_answers`` (names the key), or an unknown
+            ``normalization``.
         TypeError: ``golden_answers`` is a bare string.
     """
+    normalizer(normalization)  # an unknown mode fails for multiple-choice records too
     if "golden_answers" not in record:
         raise ValueError(f"QA record {record.get('id')!r} has no 'golden_answers'")
     golden = record["golden_answers"]
     if is_multiple_choice(record):
         options = (record.get("metadata") or {}).get("options")
         return option_letter_match(prediction, golden, options)
-    return exact_match(prediction, golden)
+    return exact_match(prediction, golden, normalization)

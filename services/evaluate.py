@@ -202,7 +202,8 @@ def run_eval(
     finally:
         if server is not None:
             stop_server(server)
-    print_eval_tables(scores, f"{policy_dir} on {split} (greedy)")
+    normalization = cfg.rollout.answer_normalization
+    print_eval_tables(scores, f"{policy_dir} on {split} (greedy, {normalization} exact match)")
     out.write_text(
         json.dumps(
             {
@@ -210,6 +211,7 @@ def run_eval(
                 "split": split,
                 "modes": modes,
                 "limit": limit,
+                "answer_normalization": normalization,
                 "scores": [asdict(s) for s in scores],
             },
             indent=2,

@@ -99,6 +99,7 @@ def test_cli_eval_all_modes_on_tiny_llama(
     report = json.loads(out.read_text())
     assert report["modes"] == ["closed_book", "rag", "agent"]
     assert report["policy"] == str(tiny_llama_dir)
+    assert report["answer_normalization"] == "folded"  # the default, named in the report
     rows = {s["mode"]: s for s in report["scores"]}
     assert [s["mode"] for s in report["scores"]] == ["closed_book", "rag", "agent"]
     assert all(s["data_source"] == "single_hop" and s["num_questions"] == 2 for s in rows.values())
