@@ -9,7 +9,9 @@ staleness-0 tokens); and that weights exported by the learner after a step load 
 CUDA engine and keep the two in agreement.
 
 Tolerances are those of the CPU contract tests (measured there: fp32 max 1.5e-5, bf16 mean
-0.04, max 0.25), with the fp32 one widened for CUDA's reduction order.
+0.04, max 0.25). Measured here on an H100 (``scripts/gpu_smoke.sh --learner``; recorded as
+junit properties): fp32 mean 1.4e-6, max 1.1e-5; bf16 mean 0.026, max 0.18. Engine that
+ignores the temperature: mean gap 0.31; ``load_weights`` that copies nothing: 1.3.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from learner.trainer import Learner
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
 TOLERANCES = {  # dtype -> (mean, max) |engine - learner| log-prob per sampled token
-    "fp32": (1e-4, 1e-3),
+    "fp32": (1e-5, 1e-4),
     "bf16": (0.06, 0.4),
 }
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
