@@ -254,10 +254,13 @@ def main(argv: list[str] | None = None) -> None:
     inst.add_argument("--target", type=Path, default=Path(".cache/gpu-site"))
     inst.add_argument("--force", action="store_true", help="install every bundled wheel")
     args = parser.parse_args(argv)
-    if args.command == "prepare":
-        prepare(args.out, args.model, args.python_version, args.from_installed)
-    else:
-        install(args.bundle, args.target, args.force)
+    try:
+        if args.command == "prepare":
+            prepare(args.out, args.model, args.python_version, args.from_installed)
+        else:
+            install(args.bundle, args.target, args.force)
+    except (subprocess.CalledProcessError, OSError, RuntimeError, ValueError) as error:
+        sys.exit(f"[gpu-bundle] {args.command} failed: {error}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ done
 mkdir -p "$OUT_DIR/details"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 DETAILS=$OUT_DIR/details
-trap 'echo "[gpu-smoke] FAILED (exit $?) at scripts/gpu_smoke.sh line $LINENO: $BASH_COMMAND" >&2' ERR
 
 log() { echo "[gpu-smoke] $*"; }
 
@@ -57,6 +56,8 @@ stop() {
     "$OUT_DIR/figures.json" 2>/dev/null || true
   exit "$2"
 }
+# any other failed command stops the run the same way, naming the line and the command
+trap 'stop "exit $? at scripts/gpu_smoke.sh line $LINENO: $BASH_COMMAND" 1' ERR
 
 # ------------------------------------------------------------------ interpreter and packages
 if [[ "$MODE" == full ]]; then
