@@ -1,82 +1,251 @@
 #!/usr/bin/env bash
 # GPU smoke test: one command on a machine with an NVIDIA GPU, after a checkout.
 #
-#   scripts/gpu_smoke.sh              the GPU set (`.[dev,gpu]`: vllm + CUDA torch) in .venv-gpu,
-#                                     then tests/gpu, the vLLM contract tests on CUDA and a
-#                                     3-step main job (vLLM engine, DeepSpeed learner on the GPU)
-#   scripts/gpu_smoke.sh --learner    no vLLM / Ray: the DeepSpeed learner and the HF engine on
-#                                     CUDA only (tests/gpu and the HF contract tests), for machines
-#                                     that cannot install vLLM
+#   scripts/gpu_smoke.sh [--out DIR]
+#       The GPU set (`.[dev,gpu]`: vllm + CUDA torch, from the package registry) in .venv-gpu,
+#       then tests/gpu, the vLLM contract tests on CUDA and a 3-step main job (vLLM engine,
+#       DeepSpeed learner on the GPU).
+#   scripts/gpu_smoke.sh --learner [--bundle DIR] [--out DIR]
+#       No vLLM, no Ray, no network: the machine's own Python with CUDA torch and
+#       transformers (python3, or STPPO_GPU_PYTHON), plus what it lacks from the offline
+#       bundle made here by `scripts/gpu_bundle.py prepare` (default .gpu-bundle: wheels and
+#       a tokenizer-only SmolLM2 folder), installed with no index into .cache/gpu-site
+#       (STPPO_GPU_SITE). Runs tests/gpu (the DeepSpeed learner on CUDA, the HF engine on CUDA
+#       against the learner's log-probs), the HF engine contract tests, and measures the
+#       learner step (policy + critic + reference, random-init SmolLM2-135M, bf16, ZeRO-2)
+#       and the HF engine's generation on CUDA.
 #
-# Needs only the package registries; offline, carry the wheels in and point PIP_FIND_LINKS at
-# them with PIP_NO_INDEX=1. The report (engine tokens/s, learner step seconds, weight-sync
-# seconds, peak GPU memory) is printed at the end and written to runs/gpu_smoke/report.txt.
-# Weight sync uses the collective transport (nccl) with two or more GPUs; with one GPU,
-# learner and engine share it and NCCL cannot put two ranks on one device, so the object store.
+# Either mode writes DIR/report.txt and DIR/figures.json (default DIR runs/gpu_smoke), plus
+# DIR/details/ (test reports, benchmark JSON and logs). Every step that fails stops the
+# script with "[gpu-smoke] FAILED ..." on stderr and a non-zero exit, except the test and
+# benchmark steps: those are all run, each failure is named in the report and the exit is 1.
+# No CUDA device: exit 3 after the install and import checks, "no CUDA device" in the
+# report (what the CPU test tests/integration/test_gpu_smoke_offline.py checks).
+# Weight sync in the full mode uses the collective transport (nccl) with two or more GPUs;
+# with one, learner and engine share it and NCCL cannot put two ranks on one device, so the
+# object store.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 
 MODE=full
-[[ "${1:-}" == "--learner" ]] && MODE=learner
-VENV=${STPPO_GPU_VENV:-.venv-gpu}
-OUT=runs/gpu_smoke
-mkdir -p "$OUT"
-command -v nvidia-smi >/dev/null || { echo "[gpu-smoke] nvidia-smi not found: no NVIDIA GPU here" >&2; exit 1; }
-ngpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
-echo "[gpu-smoke] $ngpu GPU(s): $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)"
+OUT_DIR=runs/gpu_smoke
+BUNDLE=.gpu-bundle
+while (($#)); do
+  case "$1" in
+    --learner) MODE=learner ;;
+    --out) OUT_DIR=${2:?--out needs a directory}; shift ;;
+    --bundle) BUNDLE=${2:?--bundle needs a directory}; shift ;;
+    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
+    *) echo "[gpu-smoke] unknown argument: $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$OUT_DIR/details"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+DETAILS=$OUT_DIR/details
 
-[[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --upgrade pip
+log() { echo "[gpu-smoke] $*"; }
+
+# stop REASON CODE: write a report saying where the run stopped, then exit CODE
+stop() {
+  echo "[gpu-smoke] FAILED: $1" >&2
+  printf '[gpu-smoke] report (%s)\n  status   stopped: %s\n' "$MODE" "$1" >"$OUT_DIR/report.txt"
+  # the reason goes through the environment, not the code: it may hold quotes
+  STOP_REASON=$1 STOP_MODE=$MODE "${PY:-python3}" -c 'import json, os, sys; json.dump({"mode": os.environ["STOP_MODE"], "status": "stopped", "reason": os.environ["STOP_REASON"]}, open(sys.argv[1], "w"), indent=2)' \
+    "$OUT_DIR/figures.json" 2>/dev/null || true
+  exit "$2"
+}
+# any other failed command stops the run the same way, naming the line and the command
+trap 'stop "exit $? at scripts/gpu_smoke.sh line $LINENO: $BASH_COMMAND" 1' ERR
+
+# ------------------------------------------------------------------ interpreter and packages
 if [[ "$MODE" == full ]]; then
+  VENV=${STPPO_GPU_VENV:-.venv-gpu}
+  [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --upgrade pip
   "$VENV/bin/pip" install --quiet -e ".[dev,gpu]"
+  PY="$VENV/bin/python"
 else
-  # torch from the machine (or the registry), DeepSpeed + test deps; no vllm, no ray wheels
-  "$VENV/bin/pip" install --quiet --no-deps -e . \
-    && "$VENV/bin/pip" install --quiet "torch==2.13.0" "transformers==5.19.0" "deepspeed==0.19.8" \
-       "accelerate==1.15.0" "safetensors==0.8.0" pydantic pytest pytest-timeout numpy rich
+  PY=${STPPO_GPU_PYTHON:-python3}
+  command -v "$PY" >/dev/null || stop "no Python at '$PY' (set STPPO_GPU_PYTHON)" 1
+  [[ -d "$BUNDLE/wheels" ]] || stop "no wheel folder $BUNDLE/wheels: make the bundle with 'scripts/gpu_bundle.py prepare' (README, GPU users) and bring it along" 1
+  BUNDLE=$(cd "$BUNDLE" && pwd)
+  SITE=${STPPO_GPU_SITE:-$ROOT/.cache/gpu-site}
+  export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  export PIP_NO_INDEX=1
+  export STPPO_DATA_DIR=${STPPO_DATA_DIR:-$BUNDLE/data}
+  log "python $("$PY" -c 'import sys; print(sys.version.split()[0], "at", sys.executable)')"
+  force=()
+  [[ "${STPPO_GPU_FORCE_INSTALL:-0}" == 1 ]] && force=(--force)
+  "$PY" scripts/gpu_bundle.py install --bundle "$BUNDLE" --target "$SITE" "${force[@]}"
 fi
-PY="$VENV/bin/python"
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'torch has no CUDA here'; print('[gpu-smoke] torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# peak GPU memory over the whole smoke run, sampled every second
-nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -l 1 > "$OUT/gpu_memory.csv" &
-sampler=$!
-trap 'kill $sampler 2>/dev/null || true' EXIT
+# one interpreter for the three checks (importing torch + DeepSpeed is the slow part)
+MODEL=${STPPO_DATA_DIR:-data}/model/smollm2-135m-instruct
+log "imports, model folder $MODEL, CUDA"
+"$PY" - "$MODEL" "$DETAILS/cuda.txt" <<'EOF'
+import importlib
+import sys
+from pathlib import Path
 
-status=0
-"$PY" -m pytest -q tests/gpu || status=1
+for name in ("torch", "transformers", "pydantic", "tenacity", "deepspeed", "pytest",
+             "learner.trainer", "actors.engines.hf", "actors.retrieval_client"):
+    module = importlib.import_module(name)
+    version = getattr(module, "__version__", "")
+    print(f"[gpu-smoke]   {name:24s} {version:14s} {module.__file__}")
+
+from transformers import AutoConfig, AutoTokenizer
+
+config = AutoConfig.from_pretrained(sys.argv[1])
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+print(f"[gpu-smoke]   model: {config.model_type}, {config.num_hidden_layers} layers, "
+      f"hidden {config.hidden_size}, tokenizer of {len(tok)} tokens")
+
+import torch
+
+count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+name = torch.cuda.get_device_name(0) if count else "-"
+Path(sys.argv[2]).write_text(f"{torch.__version__} {torch.version.cuda} {count} {name}\n")
+EOF
+
+# ------------------------------------------------------------------ the first CUDA check
+read -r torch_version cuda_version ngpu gpu_name <"$DETAILS/cuda.txt"
+((ngpu > 0)) || stop "no CUDA device: torch $torch_version (CUDA $cuda_version) sees none" 3
+log "torch $torch_version, CUDA $cuda_version, $ngpu GPU(s): $gpu_name"
+
+# peak GPU memory over the whole smoke run (all processes), sampled every second
+sampler=
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -l 1 >"$DETAILS/gpu_memory.csv" &
+  sampler=$!
+  trap 'kill $sampler 2>/dev/null || true' EXIT
+fi
+
+# ------------------------------------------------------------------ tests and measurements
+failed=()
+# run NAME COMMAND...: run a test or benchmark step; a failure is named, not fatal
+run() {
+  local name=$1 rc=0
+  shift
+  log "$name: $*"
+  "$@" || rc=$?
+  if ((rc != 0)); then
+    echo "[gpu-smoke] FAILED: $name (exit $rc)" >&2
+    failed+=("$name")
+  fi
+}
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o junit_family=xunit1)  # xunit1: test properties
+run tests_gpu "${PYTEST[@]}" --junitxml="$DETAILS/tests_gpu.xml" tests/gpu
 if [[ "$MODE" == full ]]; then
-  "$PY" -m pytest -q tests/integration/test_engines_contract.py tests/integration/test_weight_group.py || status=1
+  run tests_contract "${PYTEST[@]}" --junitxml="$DETAILS/tests_contract.xml" \
+    tests/integration/test_engines_contract.py tests/integration/test_weight_group.py
   transport=object_store; learner_gpus=0.5; engine_gpus=0.5
-  if (( ngpu >= 2 )); then transport=collective; learner_gpus=1; engine_gpus=1; fi
-  "$VENV/bin/stppo" prepare
-  "$VENV/bin/stppo" train @deploy/configs/cpu_demo.toml \
-    run.name=gpu_smoke run.output_dir="$OUT" run.num_steps=3 run.eval_questions=8 \
+  if ((ngpu >= 2)); then transport=collective; learner_gpus=1; engine_gpus=1; fi
+  run prepare "$VENV/bin/stppo" prepare
+  run main_job "$VENV/bin/stppo" train @deploy/configs/cpu_demo.toml \
+    run.name=gpu_smoke run.output_dir="$DETAILS" run.num_steps=3 run.eval_questions=8 \
     sft.num_demonstrations=16 ray.num_cpus="$(nproc)" \
     ray.learner_gpus=$learner_gpus ray.rollout_actor_gpus=$engine_gpus \
     rollout.vllm_kv_cache_gib=4 \
-    sync.transport=$transport || status=1
+    sync.transport=$transport
 else
-  "$PY" -m pytest -q tests/integration/test_engines_contract.py -k "hf" || status=1
+  # the HF engine's contract (its vLLM cases are marked `vllm`: not installed here)
+  run tests_contract "${PYTEST[@]}" --junitxml="$DETAILS/tests_contract.xml" -m "not vllm" \
+    tests/integration/test_engines_contract.py
+  # the README's learner benchmark shape (4 three-turn trajectories), then a larger batch
+  run learner_step "$PY" benchmarks/learner_step.py --random-init --model "$MODEL" \
+    --dtype bf16 --zero-stage 2 --repeats 3 --out "$DETAILS/learner_step.json"
+  run learner_step_b64 "$PY" benchmarks/learner_step.py --random-init --model "$MODEL" \
+    --dtype bf16 --zero-stage 2 --repeats 3 --batch 64 --micro 16 --variants ppo,st_ppo,so_grpo \
+    --out "$DETAILS/learner_step_b64.json"
+  run hf_engine "$PY" benchmarks/hf_engine.py --random-init --model "$MODEL" --device cuda \
+    --out "$DETAILS/hf_engine.json"
 fi
-kill $sampler 2>/dev/null || true
+[[ -n "$sampler" ]] && kill "$sampler" 2>/dev/null || true
 
-"$PY" - "$OUT" "$MODE" <<'EOF' | tee "$OUT/report.txt"
-import json, statistics, sys
+# ------------------------------------------------------------------ report
+"$PY" - "$OUT_DIR" "$MODE" "${failed[*]:-}" <<'EOF'
+import json
+import statistics
+import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
-out, mode = Path(sys.argv[1]), sys.argv[2]
-mem = [int(x) for x in (out / "gpu_memory.csv").read_text().split() if x.isdigit()]
-print(f"[gpu-smoke] report ({mode})")
-print(f"  peak GPU memory          {max(mem, default=0) / 1024:.1f} GiB")
-steps_file = out / "gpu_smoke" / "steps.jsonl"
+
+import torch
+
+out, mode, failed = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split()
+details = out / "details"
+figures = {"mode": mode, "status": "failed" if failed else "passed", "failed_steps": failed,
+           "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+lines = [f"[gpu-smoke] report ({mode}) on {figures['device']}, torch {torch.__version__}"]
+
+
+def read_json(name):
+    path = details / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+for name in ("tests_gpu", "tests_contract"):
+    path = details / f"{name}.xml"
+    if path.exists():
+        suite = ET.parse(path).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        figures[name] = counts
+        for case in suite.iter("testcase"):  # what tests recorded (record_property)
+            props = {p.get("name"): float(p.get("value")) for p in case.iter("property")}
+            if props:
+                figures.setdefault(f"{name}_properties", {})[case.get("name")] = props
+        lines.append(f"  {name:24s} {counts['passed']} passed, {counts['failures']} failed, "
+                     f"{counts['errors']} errors, {counts['skipped']} skipped")
+for case, props in figures.get("tests_gpu_properties", {}).items():
+    lines.append(f"    {case}: " + ", ".join(f"{k} {v:.2e}" for k, v in props.items()))
+for name in ("learner_step", "learner_step_b64"):
+    bench = read_json(f"{name}.json")
+    if bench is None:
+        continue
+    rows = {r["variant"]: r for r in bench["rows"]}
+    figures[name] = {
+        "batch": bench["batch"], "config": {k: bench["config"][k] for k in ("dtype", "zero_stage", "micro_batch_size")},
+        "init_s": bench["init_s"], "peak_gpu_allocated_gib": bench["peak_gpu_allocated_gib"],
+        "step_s": {v: r["step_s_median"] for v, r in rows.items()},
+        "tokens_per_s": {v: r["tokens_per_s"] for v, r in rows.items()},
+    }
+    lines.append(f"  {name}: {bench['batch']['trajectories']} trajectories, {bench['batch']['tokens']} "
+                 f"tokens/step, bf16 ZeRO-{bench['config']['zero_stage']}, peak GPU allocated "
+                 f"{bench['peak_gpu_allocated_gib']:.2f} GiB, init {bench['init_s']:.1f} s")
+    for v, r in rows.items():
+        lines.append(f"    {v:24s} step {r['step_s_median']:.3f} s   {r['tokens_per_s']:8.0f} tokens/s")
+engine = read_json("hf_engine.json")
+if engine is not None:
+    figures["hf_engine"] = engine
+    lines.append(f"  HF engine on CUDA        {engine['tokens_per_s']:.0f} tokens/s ({engine['batch']} x "
+                 f"{engine['new_tokens']} new tokens, {engine['dtype']}), peak GPU allocated "
+                 f"{engine['peak_gpu_allocated_gib']:.2f} GiB")
+steps_file = details / "gpu_smoke" / "steps.jsonl"  # the full mode's main job
 if steps_file.exists():
     steps = [json.loads(line) for line in steps_file.read_text().splitlines()]
+
     def med(key):
         vals = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
         return statistics.median(vals) if vals else float("nan")
-    print(f"  engine tokens/s          {med('rollout_tokens_per_s'):.0f}")
-    print(f"  learner step seconds     {med('step_s'):.2f}  (tokens/s {med('tokens_per_s'):.0f})")
-    print(f"  weight-sync seconds      {med('weight_sync_s'):.2f}  (learner side; engine loads overlap)")
-    print(f"  RL steps                 {len(steps)}")
+
+    figures["main_job"] = {k: med(k) for k in ("rollout_tokens_per_s", "step_s", "tokens_per_s", "weight_sync_s")}
+    figures["main_job"]["rl_steps"] = len(steps)
+    lines.append(f"  engine tokens/s          {med('rollout_tokens_per_s'):.0f}")
+    lines.append(f"  learner step seconds     {med('step_s'):.2f}  (tokens/s {med('tokens_per_s'):.0f})")
+    lines.append(f"  weight-sync seconds      {med('weight_sync_s'):.2f}  (learner side; engine loads overlap)")
+    lines.append(f"  RL steps                 {len(steps)}")
+mem_file = details / "gpu_memory.csv"
+if mem_file.exists():
+    mem = [int(x) for x in mem_file.read_text().split() if x.isdigit()]
+    figures["peak_gpu_memory_used_gib"] = max(mem, default=0) / 1024
+    lines.append(f"  peak GPU memory used     {figures['peak_gpu_memory_used_gib']:.1f} GiB (nvidia-smi, whole run)")
+lines.append(f"  status                   {figures['status']}" + (f": {', '.join(failed)}" if failed else ""))
+(out / "report.txt").write_text("\n".join(lines) + "\n")
+(out / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+print("\n".join(lines))
 EOF
-exit $status
+((${#failed[@]} == 0)) || exit 1

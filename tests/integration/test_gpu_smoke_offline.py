@@ -1,0 +1,124 @@
+"""``scripts/gpu_smoke.sh --learner``'s offline path, emulated on a machine without a GPU.
+
+The GPU machine it is written for has no network, a system Python with CUDA torch and
+transformers, and nothing else of the project but what is carried there (README, "GPU
+users"). Here: a fresh folder holding only the checkout's files (``git ls-files``: tracked,
+and untracked ones not ignored), the bundle ``scripts/gpu_bundle.py prepare`` makes (wheel
+folder and tokenizer-only model; the wheels repacked from this venv, ``--from-installed``,
+so no network is needed), no ``data/``, no ``.venv``; the project venv's python stands in
+for the machine's, pip gets no index (``PIP_NO_INDEX=1``, no pip config), every bundled
+wheel is installed (``STPPO_GPU_FORCE_INSTALL=1``: this venv already has them all), and
+CUDA is hidden. The script must get through the install, the imports and the model folder
+to its first CUDA check and stop there with "no CUDA device" (exit 3), not on an import or
+a download.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.env import PROJECT_ROOT
+
+pytestmark = pytest.mark.integration
+
+MIB = 2**20
+CARRY_LIMIT_MIB = 64
+"""What the GPU machine's tool carries per command: checkout + bundle must fit."""
+BUNDLED = (
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "tenacity",
+    "hjson",
+    "deepspeed",
+)
+
+
+def checkout_files() -> list[str]:
+    """The files a fresh clone has (tracked, plus new files not ignored yet committed)."""
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    # data/: the built assets (a folder, ignored; a link in a worktree, not ignored)
+    return [f for f in out.split("\0") if f and f.split("/")[0] != "data"]
+
+
+def test_learner_smoke_installs_offline_and_stops_at_the_cuda_check(
+    tmp_path: Path, model_dir: Path
+):
+    root = tmp_path / "checkout"
+    for rel in checkout_files():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        if (PROJECT_ROOT / rel).is_symlink():  # services/configs -> ../deploy/configs
+            (root / rel).symlink_to(os.readlink(PROJECT_ROOT / rel))
+        else:
+            shutil.copy2(PROJECT_ROOT / rel, root / rel)
+    assert not (root / "data").exists() and not (root / ".venv").exists()
+
+    prep = subprocess.run(
+        [
+            *(sys.executable, "scripts/gpu_bundle.py", "prepare", "--out", ".gpu-bundle"),
+            *("--model", str(model_dir), "--from-installed"),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert prep.returncode == 0, prep.stdout + prep.stderr
+    bundle = root / ".gpu-bundle"
+    assert not list(bundle.rglob("*.safetensors"))
+    assert (bundle / "data/model/smollm2-135m-instruct/tokenizer.json").is_file()
+    total = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    assert total < CARRY_LIMIT_MIB * MIB, f"checkout + bundle {total / MIB:.1f} MiB"
+
+    cache = str(PROJECT_ROOT / ".cache")  # conftest pointed HF_HOME, TMPDIR... there
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PIP_", "STPPO_", "PYTHON", "VIRTUAL_ENV")) and not v.startswith(cache)
+    }
+    env.update(
+        PIP_NO_INDEX="1",
+        PIP_CONFIG_FILE=os.devnull,  # no find-links or extra index from this machine's config
+        STPPO_GPU_PYTHON=sys.executable,
+        STPPO_GPU_FORCE_INSTALL="1",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    out = tmp_path / "report"
+    run = subprocess.run(
+        ["bash", "scripts/gpu_smoke.sh", "--learner", "--out", str(out)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = run.stdout + run.stderr
+    assert run.returncode == 3, log
+    assert "FAILED: no CUDA device" in run.stderr, log
+    assert "Traceback" not in log and "ModuleNotFoundError" not in log, log
+    site = root / ".cache" / "gpu-site"
+    installed = {p.name.split("-")[0].lower().replace("_", "-") for p in site.glob("*.dist-info")}
+    assert installed == set(BUNDLED), log
+    # the bundled copies are the ones imported (the site folder comes first on the path)
+    imported = dict(re.findall(r"^\[gpu-smoke\]\s+(\S+)\s+\S*\s+(/\S+)$", run.stdout, re.M))
+    assert imported["deepspeed"] == f"{site}/deepspeed/__init__.py", log
+    assert imported["pydantic"] == f"{site}/pydantic/__init__.py", log
+    assert imported["learner.trainer"] == f"{root}/learner/trainer.py", log
+    assert "model: llama, 30 layers, hidden 576" in log, log
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["status"] == "stopped" and figures["reason"].startswith("no CUDA device")
+    assert "no CUDA device" in (out / "report.txt").read_text()
