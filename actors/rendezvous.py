@@ -134,6 +134,7 @@ class GroupJoinError(RuntimeError):
     Attributes:
         missing: ranks that never reached the store.
         joined: rank -> registered info of the ranks that did.
+        cause: the underlying error's first line.
     """
 
     def __init__(
@@ -146,21 +147,24 @@ class GroupJoinError(RuntimeError):
         cause: str = "",
     ) -> None:
         names = dict(names or {})
+        self.what, self.world_size, self.timeout_s = what, world_size, timeout_s
+        self.names = names
+        self.cause = cause
         self.joined = dict(joined)
         self.missing = [r for r in range(world_size) if r not in self.joined]
         label = {r: names.get(r, f"rank {r}") for r in range(world_size)}
         parts = [f"{what} did not form within the join timeout ({timeout_s:g} s):"]
         if self.missing:
             parts.append(
-                "did not join: " + ", ".join(label[r] for r in self.missing)
+                "Did not join: " + ", ".join(label[r] for r in self.missing)
                 + " (never reached the group's store: is its process alive, and can it "
-                "reach rank 0's address and port?)"
+                "reach rank 0's address and port?)."
             )  # fmt: skip
         listening = ", ".join(
             f"{label[r]} at {info.get('address', '?')}" for r, info in sorted(self.joined.items())
         )
         if listening:
-            parts.append(f"joined the store: {listening}")
+            parts.append(f"Joined the store: {listening}.")
         loopback = [
             label[r] for r, i in self.joined.items() if str(i.get("ip", "")).startswith("127.")
         ]
@@ -176,6 +180,10 @@ class GroupJoinError(RuntimeError):
         if cause:
             parts.append(f"(last error: {cause})")
         super().__init__(" ".join(parts))
+
+    def __reduce__(self):  # picklable with its fields (it crosses Ray's process boundary)
+        args = (self.what, self.world_size, self.timeout_s, self.joined, self.names, self.cause)
+        return (type(self), args)
 
 
 def connect_store(

@@ -78,6 +78,10 @@ ABORT_POLL_S = 0.5
 """How often a waiting member checks for :data:`ABORT_KEY` (one store round trip)."""
 
 
+_ABANDONED: list = []
+"""Process groups left after a failed or aborted collective (see :meth:`WeightGroup.close`)."""
+
+
 class GroupAborted(RuntimeError):
     """The driver aborted the weight-sync group (a member was lost); it is formed again."""
 
@@ -148,6 +152,7 @@ class WeightGroup:
             else torch.device("cpu")
         )
         self.local_ip = local_ip or node_ip()
+        self._broken = False
         what = f"the weight-sync group ({world_size} members, store {host}:{port})"
         try:
             self.store = connect_store(host, port, rank, join_timeout_s, store)
@@ -200,16 +205,20 @@ class WeightGroup:
         """
         delay = 1e-4
         next_check = time.monotonic() + ABORT_POLL_S
-        while not work.is_completed():
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + ABORT_POLL_S
-                if self.store.check([ABORT_KEY]):
-                    reason = self.store.get(ABORT_KEY).decode()
-                    raise GroupAborted(f"weight-sync group aborted: {reason}")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
-        work.wait()
+        try:
+            while not work.is_completed():
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + ABORT_POLL_S
+                    if self.store.check([ABORT_KEY]):
+                        reason = self.store.get(ABORT_KEY).decode()
+                        raise GroupAborted(f"weight-sync group aborted: {reason}")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+            work.wait()
+        except Exception:
+            self._broken = True  # close() must not wait for the pending operation
+            raise
 
     def send(
         self, state_dict: Mapping[str, torch.Tensor], metas: list[TensorMeta], version: int
@@ -251,7 +260,20 @@ class WeightGroup:
         return int(version.item()), tensors()
 
     def close(self) -> None:
-        """Leave the group (the other members must not broadcast any more)."""
+        """Leave the group (the other members must not broadcast any more).
+
+        A group whose collective failed or was aborted may still have an operation pending
+        on a peer that is gone without closing its connection (a lost node): shutting it
+        down, or letting it be garbage-collected, would wait for that peer. Such a group is
+        aborted and kept in :data:`_ABANDONED` instead (one per lost member; it holds a few
+        threads and sockets until the process ends)."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        if self._broken:
+            with contextlib.suppress(Exception):
+                group.abort()
+            _ABANDONED.append(group)
+            return
         with contextlib.suppress(Exception):
-            self.group.shutdown()
-        self.group = None
+            group.shutdown()

@@ -770,7 +770,7 @@ class Driver:
                 self.learner, engines, self.state.policy_version, self.cfg.buffer.max_staleness
             )
         else:
-            handle = self.weight_sync.push(self.learner, engines, self.state.policy_version)
+            handle = self._push_to_live(live)
         self._sync = handle
         for slot in live:
             slot.engine_version = handle.policy_version
@@ -780,6 +780,23 @@ class Driver:
             for ack in list(handle.acks):
                 self._on_sync_ack(ack)
         return handle.export_s
+
+    def _push_to_live(self, live: list[RolloutSlot]) -> Any:
+        """``weight_sync.push`` to the slots in ``live``; engines that turn out to be gone
+        while the collective group forms are marked lost (and removed from ``live``) and the
+        push is made again without them."""
+        from services.weight_sync import EnginesLost
+
+        while True:
+            try:
+                return self.weight_sync.push(
+                    self.learner, [s.handle for s in live], self.state.policy_version
+                )
+            except EnginesLost as e:
+                gone = {id(h) for h in e.engines}
+                for slot in [s for s in live if id(s.handle) in gone]:
+                    live.remove(slot)
+                    self._mark_lost(slot, f"rollout actor {slot.index} did not answer the sync")
 
     def _track_acks(self, acks: list[Any]) -> None:
         for ack in acks:

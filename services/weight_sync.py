@@ -25,10 +25,24 @@ Transports:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+
+class EnginesLost(RuntimeError):
+    """Engines that did not answer when a sync needed them (their actors died or are being
+    restarted by Ray); the driver takes them out of syncs until they are back.
+
+    Attributes:
+        engines: their actor handles.
+    """
+
+    def __init__(self, engines: list[Any]) -> None:
+        super().__init__(f"{len(engines)} engine(s) did not answer")
+        self.engines = engines
 
 
 @dataclass
@@ -137,32 +151,38 @@ class CollectiveWeightSync:
         self.say = say
         self._members: list[Any] = []  # engine handles in the group, in rank order
         self._store_address: tuple[str, int] | None = None  # the formed group's store
+        self._lock = threading.Lock()
         self._metas: list[Any] = []
         self._learner: Any = None
         self.groups_formed = 0
 
     def _form_group(self, learner: Any, engines: list[Any]) -> None:
-        """Form the group, waiting for engines that Ray is restarting (each retry starts
-        over: a half-formed group is left by every member)."""
-        import ray
+        """Form the group from ``engines``.
 
-        deadline = time.monotonic() + self.join_timeout_s
-        while True:
-            try:
-                return self._try_form_group(learner, engines)
-            except ray.exceptions.ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
-
-    def _try_form_group(self, learner: Any, engines: list[Any]) -> None:
+        Raises:
+            EnginesLost: some engines did not answer (dead, or being restarted by Ray: a
+                lost node's actor waits for a new one); the caller forms it without them.
+        """
         import ray
 
         # leave first (membership changes need a new group); engines not in the old group
         # (restarted, added) are not in any
-        ray.get(
-            [learner.leave_weight_group.remote()] + [e.leave_weight_group.remote() for e in engines]
-        )
+        self._members = []
+        ray.get(learner.leave_weight_group.remote())
+        leaves = [e.leave_weight_group.remote() for e in engines]
+        lost = []
+        for engine, ref in zip(engines, leaves, strict=True):
+            try:
+                ray.get(ref, timeout=self.join_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                lost.append(engine)
+        if lost:
+            raise EnginesLost(lost)
+        self._try_form_group(learner, engines)
+
+    def _try_form_group(self, learner: Any, engines: list[Any]) -> None:
+        import ray
+
         addresses = ray.get([e.node_address.remote() for e in engines])
         host, port = ray.get(learner.weight_group_address.remote())
         world = len(engines) + 1
@@ -192,13 +212,45 @@ class CollectiveWeightSync:
         self.groups_formed += 1
 
     def push(self, learner: Any, engines: list[Any], policy_version: int) -> SyncHandle:
+        """Broadcast to ``engines`` (forming the group first if its members changed).
+
+        Raises:
+            EnginesLost: some of ``engines`` did not answer while the group was formed.
+        """
         started = time.perf_counter()
         self._learner = learner
+        if not engines:  # all lost: they get the weights when Ray has them back (push_to)
+            self._members = []
+            return SyncHandle(policy_version, 0.0, [], None, started)
         if _ids(self._members) != _ids(engines):
             self._form_group(learner, engines)
         sent = learner.broadcast_weights.remote()
         acks = [e.receive_weights.remote(self._metas) for e in engines]
+        self._watch(acks)
         return SyncHandle(policy_version, 0.0, [sent, *acks], None, started)
+
+    def _watch(self, acks: list[Any]) -> None:
+        """Abort the group as soon as an engine's receive fails because the engine died,
+        from a thread of its own: the driver's main loop may be blocked on the learner
+        (a checkpoint queued behind the broadcast), and the broadcast would otherwise
+        wait for the dead engine until ``collective_timeout_s``."""
+        import ray
+
+        def watch() -> None:
+            pending = list(acks)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                try:
+                    ray.get(ready[0])
+                except ray.exceptions.RayActorError as e:
+                    self.on_member_lost(
+                        None, f"an engine died during the broadcast ({type(e).__name__})"
+                    )
+                    return
+                except Exception:  # a broken broadcast: the driver handles its ack
+                    return
+
+        threading.Thread(target=watch, name="weight-sync-watch", daemon=True).start()
 
     def push_to(self, handle: SyncHandle, engines: list[Any]) -> list[Any]:
         """Engines outside the group (restarted or added): the learner's current weights
@@ -230,14 +282,15 @@ class CollectiveWeightSync:
         broadcast raises :class:`actors.weight_group.GroupAborted` (instead of waiting for
         the lost one until ``collective_timeout_s``), and the next :meth:`push` forms the
         group again from the engines that are left."""
-        if not self._members or self._store_address is None:
-            return
-        if engine is not None and _ids([engine])[0] not in _ids(self._members):
-            return
+        with self._lock:  # the watcher thread and the driver may both get here
+            if not self._members or self._store_address is None:
+                return
+            if engine is not None and _ids([engine])[0] not in _ids(self._members):
+                return
+            self._members = []
+            host, port = self._store_address
         from actors.weight_group import abort_group
 
-        self._members = []
-        host, port = self._store_address
         try:
             abort_group(host, port, reason)
             self.say(
@@ -318,8 +371,10 @@ def wait_for_group(
         ray.get(refs)
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if isinstance(getattr(e, "cause", None), GroupJoinError) else None
-        if cause is not None:
-            raise cause from None
+        if cause is not None:  # the members' view, with the driver's names for them
+            raise GroupJoinError(
+                what, len(names), join_timeout_s, cause.joined, names, cause.cause
+            ) from None
         raise
 
 
