@@ -121,7 +121,7 @@ def render(
         _print_record(console, find_record(latest, record))
         return 1
     rows = select(latest, data_source, correct)
-    console.print(_table(rows, f"{file}: {_title(latest)}"))
+    console.print(_table(rows, _title(latest), caption=str(file)))
     if rows:
         counts = recount([r for _, r in rows])
         console.print(
@@ -133,12 +133,12 @@ def render(
     return len(rows)
 
 
-def _table(rows: list[tuple[int, Mapping[str, Any]]], title: str) -> Any:
+def _table(rows: list[tuple[int, Mapping[str, Any]]], title: str, caption: str) -> Any:
     from rich.table import Table
     from rich.text import Text
 
     train = bool(rows) and rows[0][1].get("kind") == "train"
-    table = Table(title=title)
+    table = Table(title=title, caption=caption)
     for col in ("#", "question_id", "set", "correct", "malformed", "searches", "answer"):
         table.add_column(col)
     table.add_column("golden", max_width=30)
