@@ -1,4 +1,5 @@
-"""A short real run (tiny Llama, real retrieval server, Ray, DeepSpeed) leaves per-question
+"""A short real run (tiny Llama, real retrieval server, Ray, DeepSpeed, a warm start: three
+evaluations) leaves per-question
 records that recount to its eval.jsonl aggregates, per-step samples of what the learner
 trained on, the records in the trackers, and ``stppo show`` renders them."""
 
@@ -28,6 +29,7 @@ def test_a_short_run_leaves_records_that_recount_to_its_aggregates(
         **{"run.num_steps": 2, "run.eval_questions": 3, "run.samples_per_step": 3,
            "run.record_text_chars": 24, "checkpoint.every_k_steps": 0,
            "rollout.num_actors": 1, "control.enabled": False,
+           "sft.enabled": True, "sft.num_demonstrations": 4, "sft.epochs": 1,
            "tracking.backends": ["tensorboard"]},
     )  # fmt: skip
     Driver(cfg).run()
@@ -35,7 +37,7 @@ def test_a_short_run_leaves_records_that_recount_to_its_aggregates(
 
     aggregates = read_jsonl(run_dir / "eval.jsonl")
     records = read_jsonl(run_dir / "eval_samples.jsonl")
-    assert [a["tag"] for a in aggregates] == ["start", "end"]
+    assert [a["tag"] for a in aggregates] == ["before_warm_start", "start", "end"]
     for aggregate in aggregates:
         key = (aggregate["tag"], aggregate["learner_step"])
         mine = [r for r in records if evaluation_key(r) == key]
