@@ -1,7 +1,7 @@
 """A short real run (tiny Llama, real retrieval server, Ray, DeepSpeed, a warm start: three
-evaluations) leaves per-question
-records that recount to its eval.jsonl aggregates, per-step samples of what the learner
-trained on, the records in the trackers, and ``stppo show`` renders them."""
+evaluations) leaves per-question records that recount to its eval.jsonl aggregates,
+per-step samples of what the learner trained on, the records in the trackers, and
+``stppo show`` renders them."""
 
 from __future__ import annotations
 
