@@ -367,6 +367,34 @@ def plot(
     typer.echo(f"wrote {path}")
 
 
+@app.command()
+def show(
+    path: Annotated[
+        Path, typer.Argument(help="Run directory (runs/<name>) or a records .jsonl file.")
+    ],
+    data_source: Annotated[str | None, typer.Option(help="Only this QA set (data_source).")] = None,
+    correct: Annotated[
+        bool | None,
+        typer.Option("--correct/--incorrect", help="Only correct / only incorrect answers."),
+    ] = None,
+    record: Annotated[
+        str | None,
+        typer.Option(help="Print one record in full: its row number (#) or question id."),
+    ] = None,
+    samples: Annotated[
+        bool, typer.Option(help="The last step's training samples (samples.jsonl) instead.")
+    ] = False,
+) -> None:
+    """Print the latest evaluation's per-question records (eval_samples.jsonl) as a table,
+    or one record in full with every turn, search and passage."""
+    from services.show import render
+
+    try:
+        render(path, data_source=data_source, correct=correct, record=record, samples=samples)
+    except (FileNotFoundError, LookupError, ValueError) as e:
+        _fail(str(e))
+
+
 @app.command("config")
 def show_config(config: ConfigArgs = None) -> None:
     """Validate a config and print it fully resolved (defaults filled in) as JSON."""

@@ -428,6 +428,7 @@ class Driver:
 
     def _evaluate(self, tag: str) -> None:
         from services.evaluate import summarize_eval
+        from services.records import EVAL_RECORDS, eval_records
         from services.sampler import evaluation_questions
 
         n = self.cfg.run.eval_questions
@@ -441,6 +442,13 @@ class Driver:
             tag=tag, learner_step=self.state.learner_step, policy_version=self.state.policy_version
         )
         self._append_jsonl("eval.jsonl", summary)
+        self._write_records(
+            EVAL_RECORDS,
+            f"eval_samples/{tag}",
+            eval_records(
+                trajectories, tag, self.state.learner_step, self.cfg.run.record_text_chars
+            ),
+        )
         self.progress.say(f"eval ({tag}) validation: {_fmt(summary)}")
 
     def _rollout_shards(self, shards: list[list[dict[str, Any]]], tag: str) -> list[Any]:
@@ -662,7 +670,10 @@ class Driver:
         self.metrics.observe_staleness(take.staleness)
         self._step_take = take
         self._step_started_s = time.perf_counter()
-        self._step_ref = self.learner.step.remote(take.trajectories)
+        # the learner trains on tokens: the transcripts stay here (for samples.jsonl)
+        self._step_ref = self.learner.step.remote(
+            [t.without_transcript() for t in take.trajectories]
+        )
 
     def _on_step_done(self, step_metrics: dict[str, float]) -> None:
         import ray
@@ -691,6 +702,7 @@ class Driver:
         self.metrics.nonfinite_steps_total.inc(int(step_metrics.get("skipped_steps", 0)))
         stats = ray.get(self.buffer.stats.remote())
         record = dict(step_metrics)
+        self._write_samples(take, record.pop("turn_advantages", None) or [])
         trained = step_metrics.get("variant", self.control.config.algorithm.variant)
         if trained != self.control.config.algorithm.variant:
             raise RuntimeError(
@@ -974,6 +986,28 @@ class Driver:
         (self.run_dir / "config.json").write_text(json.dumps(public_config(new), indent=2))
 
     # ------------------------------------------------------------------ logs
+
+    def _write_samples(self, take: Any, turn_advantages: list[Any]) -> None:
+        """``run.samples_per_step`` of the step's trained trajectories to ``samples.jsonl``."""
+        from services.records import TRAIN_SAMPLES, sample_records
+
+        run = self.cfg.run
+        records = sample_records(
+            take.trajectories, take.staleness, turn_advantages, self.state.learner_step,
+            run.samples_per_step, run.seed, run.record_text_chars,
+        )  # fmt: skip
+        self._write_records(TRAIN_SAMPLES, "samples/train", records)
+
+    def _write_records(self, name: str, key: str, records: list[dict[str, Any]]) -> None:
+        """Append per-question records to ``<run_dir>/<name>`` and the trackers (``key``),
+        at the current learner step (see :mod:`services.records`)."""
+        from services.records import append_records
+
+        if not records:
+            return
+        append_records(self.run_dir / name, records)
+        if self.tracker is not None:
+            self.tracker.log_records(key, records, self.state.learner_step)
 
     def _append_jsonl(self, name: str, record: dict[str, Any]) -> None:
         with (self.run_dir / name).open("a") as f:
