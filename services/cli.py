@@ -385,8 +385,10 @@ def show(
         bool, typer.Option(help="The last step's training samples (samples.jsonl) instead.")
     ] = False,
 ) -> None:
-    """Print the latest evaluation's per-question records (eval_samples.jsonl) as a table,
-    or one record in full with every turn, search and passage."""
+    """Print the latest evaluation's per-question records as a table, or one in full.
+
+    Reads eval_samples.jsonl (or samples.jsonl with --samples); --record prints one record
+    with every turn, search and passage."""
     from services.show import render
 
     try:
