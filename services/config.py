@@ -60,6 +60,12 @@ class RunSection(StrictModel):
     eval_questions: int = Field(64, ge=0, le=1_000_000)
     """Validation questions per evaluation (0 disables evaluation)."""
 
+    resume: Literal["never", "auto", "must"] = "never"
+    """What a start does with a run directory that already holds a run: ``never`` refuses it
+    (new runs only), ``auto`` resumes from its latest checkpoint if there is one and starts
+    otherwise (the cluster configs: a retried job continues), ``must`` resumes and fails
+    without a checkpoint (``stppo train --resume``). See services/run_records.py."""
+
 
 class ModelSection(StrictModel):
     """The policy model every component starts from."""
