@@ -242,6 +242,17 @@ def test_rayjob_entrypoint_config_exists_is_mounted_and_loads(overlay):
     assert cfg.ray.num_cpus is None  # joining a cluster: Ray refuses num_cpus
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_retried_rayjob_resumes_its_run(overlay):
+    """Issue 33: a job stopped by SIGTERM exits 75 (failed, not succeeded); the RayJob
+    submits it again (spec.backoffLimit) and run.resume = auto continues the run."""
+    objects = rendered(overlay)
+    _, overrides, cfg = run_config_of(objects)
+    assert cfg.run.resume == "auto"
+    assert not any(o.startswith("run.resume") for o in overrides)
+    assert one(objects, "RayJob")["spec"]["backoffLimit"] >= 1
+
+
 def test_configmap_generator_lists_every_cluster_run_config():
     k = yaml.safe_load((DEPLOY / "configs" / "kustomization.yaml").read_text())
     listed = {f for g in k["configMapGenerator"] for f in g["files"]}
