@@ -213,7 +213,13 @@ def _train(args: list[str]):
     return CliRunner().invoke(app, ["train", *args])
 
 
-def test_stppo_train_refuses_a_used_run_directory(tmp_path: Path):
+def test_stppo_train_refuses_a_used_run_directory(tmp_path: Path, monkeypatch):
+    import services.driver
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("stppo train went on to train in a used run directory")
+
+    monkeypatch.setattr(services.driver, "run_training", must_not_train)
     run_dir = tmp_path / "synthetic"
     run_dir.mkdir()
     (run_dir / "consumed.jsonl").write_text('{"step": 1, "ids": ["d0-g0"]}\n')
