@@ -11,7 +11,9 @@ followed by ``dotted.key=value`` overrides (values parsed as TOML)::
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -102,7 +104,8 @@ def train(
     from services.run_records import EXIT_INTERRUPTED, TrainingInterrupted
 
     try:
-        run_training(cfg, resume=resume, overwrite=overwrite)
+        with _pid_file(os.environ.get("STPPO_PID_FILE")):
+            run_training(cfg, resume=resume, overwrite=overwrite)
     except (ModelSourceError, RunDirInUse) as e:
         _fail(str(e))
     except TrainingInterrupted as e:
@@ -112,6 +115,21 @@ def train(
             err=True,
         )
         raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+@contextlib.contextmanager
+def _pid_file(path: str | None):
+    """Write this process's pid to ``path`` while training (None: nothing), so that a
+    container's preStop hook can send it SIGTERM (deploy/k8s/base/raycluster.yaml)."""
+    if not path:
+        yield
+        return
+    pid_path = Path(path)
+    pid_path.write_text(f"{os.getpid()}\n")
+    try:
+        yield
+    finally:
+        pid_path.unlink(missing_ok=True)
 
 
 def _resume_command(config: list[str] | None, mode: str) -> str:

@@ -253,6 +253,23 @@ def test_a_retried_rayjob_resumes_its_run(overlay):
     assert one(objects, "RayJob")["spec"]["backoffLimit"] >= 1
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_head_signals_the_driver_before_it_stops(overlay):
+    """The head container's SIGTERM stops ``ray start --block``, not the driver under it:
+    its preStop hook sends SIGTERM to the pid stppo train wrote to STPPO_PID_FILE and waits,
+    within the pod's grace period, for the checkpoint and exit 75."""
+    objects = rendered(overlay)
+    head = head_container(objects)
+    env = {e["name"]: e.get("value") for e in head["env"]}
+    pid_file = env["STPPO_PID_FILE"]
+    mounts = [m["mountPath"] for m in head["volumeMounts"]]
+    assert any(pid_file.startswith(m + "/") for m in mounts), "pid file on a mounted volume"
+    hook = " ".join(head["lifecycle"]["preStop"]["exec"]["command"])
+    assert 'kill -TERM "$p"' in hook and '"$STPPO_PID_FILE"' in hook and "kill -0" in hook
+    pod = one(objects, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= 120
+
+
 def test_configmap_generator_lists_every_cluster_run_config():
     k = yaml.safe_load((DEPLOY / "configs" / "kustomization.yaml").read_text())
     listed = {f for g in k["configMapGenerator"] for f in g["files"]}

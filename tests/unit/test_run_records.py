@@ -248,6 +248,23 @@ def test_stppo_train_exits_75_after_sigterm_naming_the_resume_command(tmp_path: 
     assert auto.exit_code == 75 and not auto.output.rstrip().endswith("--resume")
 
 
+def test_stppo_train_writes_its_pid_for_the_pre_stop_hook(tmp_path: Path, monkeypatch):
+    import os
+
+    import services.driver
+
+    pid_file = tmp_path / "stppo-train.pid"
+    seen = []
+    monkeypatch.setattr(
+        services.driver, "run_training", lambda *a, **k: seen.append(pid_file.read_text())
+    )
+    monkeypatch.setattr("services.env.configure_local_caches", lambda **_: None)
+    monkeypatch.setenv("STPPO_PID_FILE", str(pid_file))
+    result = _train([f"run.output_dir={json.dumps(str(tmp_path))}"])
+    assert result.exit_code == 0, result.output
+    assert seen == [f"{os.getpid()}\n"] and not pid_file.exists()
+
+
 def test_readers_of_runs_count_each_step_once(tmp_path: Path):
     """stppo plot, the experiment summary and the stability cells read through
     read_records: the issue's directory (two runs' steps 1..2 in one file) is refused."""
