@@ -269,11 +269,10 @@ class RecordWriter:
         return stamped
 
     def line_counts(self) -> dict[str, int]:
-        """``{file name: lines}`` of every ``*.jsonl`` in the run directory now."""
-        for path in self.run_dir.glob("*.jsonl"):
-            if path.name not in self._lines:
-                self._lines[path.name] = _count_lines(path)
-        return dict(self._lines)
+        """``{file name: lines}`` of every ``*.jsonl`` in the run directory now (files this
+        writer did not write are counted afresh)."""
+        counts = {p.name: _count_lines(p) for p in self.run_dir.glob("*.jsonl")}
+        return {**counts, **self._lines}
 
 
 def _count_lines(path: Path) -> int:

@@ -160,6 +160,18 @@ def test_a_resume_recounts_every_step_exactly_once(tmp_path: Path):
     }  # fmt: skip
 
 
+def test_line_counts_follow_files_written_elsewhere(tmp_path: Path):
+    """A record file another writer appends to is counted when the checkpoint is taken,
+    not when it was first seen."""
+    writer = RecordWriter(tmp_path, start_attempt(tmp_path, plan_start(tmp_path, "never"), 0))
+    writer.append("steps.jsonl", {"step": 1})
+    (tmp_path / "other.jsonl").write_text("{}\n")
+    assert writer.line_counts() == {"steps.jsonl": 1, "other.jsonl": 1}
+    with (tmp_path / "other.jsonl").open("a") as f:
+        f.write("{}\n")
+    assert writer.line_counts() == {"steps.jsonl": 1, "other.jsonl": 2}
+
+
 def test_auto_without_a_checkpoint_supersedes_every_record(tmp_path: Path):
     run_dir = tmp_path / "r"
     run_dir.mkdir()
