@@ -69,6 +69,12 @@ class RunSection(StrictModel):
     ``eval_samples.jsonl`` and ``samples.jsonl``; each record states the cap and which
     texts it cut."""
 
+    resume: Literal["never", "auto", "must"] = "never"
+    """What a start does with a run directory that already holds a run: ``never`` refuses it
+    (new runs only), ``auto`` resumes from its latest checkpoint if there is one and starts
+    otherwise (the cluster configs: a retried job continues), ``must`` resumes and fails
+    without a checkpoint (``stppo train --resume``). See services/run_records.py."""
+
 
 class ModelSection(StrictModel):
     """The policy model every component starts from."""
