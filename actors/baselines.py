@@ -32,7 +32,8 @@ from actors.prompts import prompt_ids
 from actors.retrieval_client import Passage, RetrievalFailed
 from actors.reward import compute_reward
 from actors.rollout import Retriever, check_record
-from actors.trajectory import Trajectory
+from actors.scoring import compared_forms
+from actors.trajectory import Trajectory, Transcript, TurnTranscript
 
 BASELINE_MODES: tuple[str, ...] = ("closed_book", "rag")
 """The one-turn prompt modes this module runs (``agent`` is :mod:`actors.rollout`)."""
@@ -100,8 +101,8 @@ def run_single_turn(
     if len(results) != len(records):
         raise RuntimeError(f"engine returned {len(results)} results for {len(records)} prompts")
     return [
-        _answered(tokenizer, r, prompt, result, mode, generation_s, retrieval_s, cfg)
-        for r, prompt, result in zip(records, prompts, results, strict=True)
+        _answered(tokenizer, r, prompt, result, mode, generation_s, retrieval_s, cfg, p)
+        for r, prompt, result, p in zip(records, prompts, results, passages, strict=True)
     ]
 
 
@@ -114,9 +115,17 @@ def _answered(
     generation_s: float,
     retrieval_s: float,
     cfg: RolloutConfig,
+    passages: list[Passage] | None,
 ) -> Trajectory:
     text = tokenizer.decode(result.token_ids, skip_special_tokens=False)
     reward = compute_reward(text, record, cfg.answer_normalization)
+    forms = compared_forms(reward.answer, record, cfg.answer_normalization)
+    # rag: the harness searched with the question; its passages were in the prompt
+    turn = (
+        TurnTranscript(text)
+        if passages is None
+        else TurnTranscript(text, str(record["question"]), tuple((p.id, p.title) for p in passages))
+    )
     n = len(result.token_ids)
     return Trajectory(
         prompt_ids=np.asarray(prompt, dtype=np.int64),
@@ -139,6 +148,14 @@ def _answered(
         retrieval_s=retrieval_s,
         answer=reward.answer,
         extra={"mode": mode},
+        transcript=Transcript(
+            question=str(record["question"]),
+            golden_answers=tuple(str(g) for g in record["golden_answers"]),
+            turns=(turn,),
+            scoring_method=forms.method,
+            compared_prediction=forms.prediction,
+            compared_golden=forms.golden,
+        ),
     ).validate()
 
 

@@ -42,7 +42,8 @@ from actors.engines.protocol import STOP_STRINGS, GenerationEngine, GenerationRe
 from actors.prompts import extract_search_query, information_ids, invalid_search_ids, prompt_ids
 from actors.retrieval_client import Passage, RetrievalClient, RetrievalFailed
 from actors.reward import compute_reward
-from actors.trajectory import Trajectory
+from actors.scoring import compared_forms
+from actors.trajectory import Trajectory, Transcript, TurnTranscript
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class _Episode:
     turn_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     policy_texts: list[str] = field(default_factory=list)
+    queries: list[str | None] = field(default_factory=list)  # per turn, see TurnTranscript
+    passages: list[tuple[tuple[str, str], ...]] = field(default_factory=list)  # per turn
     versions: list[int] = field(default_factory=list)
     num_turns: int = 0
     num_searches: int = 0
@@ -132,6 +135,8 @@ class _Episode:
         self.turn_ids += [self.num_turns] * len(token_ids)
         self.logprobs += logprobs
         self.versions.append(version)
+        self.queries.append(None)
+        self.passages.append(())
         self.num_turns += 1
 
     def append_environment(self, token_ids: list[int]) -> None:
@@ -283,6 +288,7 @@ def _retrieve_turn(
     for e in searching:
         if not e.pending_query:  # "<search></search>": Search-R1's invalid-action reply
             e.num_invalid_searches += 1
+            e.queries[-1] = ""
             _append_environment(e, invalid_search_ids(tokenizer), cfg)
     if not valid:
         return
@@ -298,6 +304,7 @@ def _retrieve_turn(
     stats.retrieval_s += elapsed
     stats.num_searches += len(valid)
     for i, e in enumerate(valid):
+        e.queries[-1] = e.pending_query
         e.pending_query = None
         e.num_searches += 1
         e.retrieval_s += elapsed / len(valid)
@@ -305,6 +312,7 @@ def _retrieve_turn(
             e.retrieval_error = error
             e.finish_reason = "retrieval_failed"
         else:
+            e.passages[-1] = tuple((p.id, p.title) for p in passages[i])
             block = information_ids(tokenizer, passages[i], cfg.max_information_tokens)
             _append_environment(e, block, cfg)
 
@@ -347,7 +355,25 @@ def _to_trajectory(tokenizer, e: _Episode, cfg: RolloutConfig) -> Trajectory:
             "num_invalid_searches": e.num_invalid_searches,
             "retrieval_error": e.retrieval_error,
         },
+        transcript=_transcript(e, None if failed else reward.answer, cfg.answer_normalization),
     ).validate()
+
+
+def _transcript(e: _Episode, answer: str | None, normalization: str = "folded") -> Transcript:
+    """The episode in words: question, turns with their searches and passages, and the
+    forms its answer was compared in (:func:`actors.scoring.compared_forms` under the
+    rollout's ``answer_normalization``)."""
+    record = e.record
+    forms = compared_forms(answer, record, normalization)
+    turns = zip(e.policy_texts, e.queries, e.passages, strict=True)
+    return Transcript(
+        question=str(record["question"]),
+        golden_answers=tuple(str(g) for g in record["golden_answers"]),
+        turns=tuple(TurnTranscript(t, q, p) for t, q, p in turns),
+        scoring_method=forms.method,
+        compared_prediction=forms.prediction,
+        compared_golden=forms.golden,
+    )
 
 
 def build_engine(model_path: str, cfg: RolloutConfig, seed: int) -> GenerationEngine:

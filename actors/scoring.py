@@ -36,6 +36,7 @@ import re
 import string
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 DATA_SOURCES_EXACT_MATCH = ("single_hop", "multi_hop")
@@ -329,3 +330,49 @@ def score_answer(
         options = (record.get("metadata") or {}).get("options")
         return option_letter_match(prediction, golden, options)
     return exact_match(prediction, golden, normalization)
+
+
+@dataclass(frozen=True)
+class ComparedForms:
+    """What :func:`score_answer` compared, so a record can say why an answer scored as it did.
+
+    Attributes:
+        method: ``exact_match`` (normalised text) or ``option_letter``.
+        prediction: The normalised answer, or the option letter extracted from it; None
+            for no answer (or no unambiguous letter).
+        golden: The normalised golden answers, or the golden letters (upper case).
+    """
+
+    method: str
+    prediction: str | None
+    golden: tuple[str, ...]
+
+
+def compared_forms(
+    prediction: str | None, record: Mapping, normalization: AnswerNormalization = "folded"
+) -> ComparedForms:
+    """The forms :func:`score_answer` compares for ``prediction`` against ``record``.
+
+    ``score_answer(p, r, n)`` is True exactly when ``compared_forms(p, r, n).prediction``
+    is a non-empty member of ``.golden`` (the test suite checks this identity);
+    ``normalization`` is the free-text one, ``folded`` or ``strict``.
+
+    Raises:
+        ValueError / TypeError: as :func:`score_answer` for bad ``golden_answers``.
+
+    Example::
+
+        >>> compared_forms("The Eiffel Tower!", {"golden_answers": ["Eiffel tower"]})
+        ComparedForms(method='exact_match', prediction='eiffel tower', golden=('eiffel tower',))
+    """
+    if "golden_answers" not in record:
+        raise ValueError(f"QA record {record.get('id')!r} has no 'golden_answers'")
+    golden = record["golden_answers"]
+    _check_golden(golden)
+    if is_multiple_choice(record):
+        options = (record.get("metadata") or {}).get("options")
+        letters = tuple(g.strip().upper() for g in golden)
+        return ComparedForms("option_letter", extract_option_letter(prediction, options), letters)
+    normalize = normalizer(normalization)
+    pred = None if prediction is None else normalize(prediction)
+    return ComparedForms("exact_match", pred, tuple(normalize(g) for g in golden))

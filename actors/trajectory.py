@@ -17,7 +17,13 @@ Invariants (checked by :meth:`Trajectory.validate`):
 - ``loss_mask[t] == 1`` exactly where ``turn_ids[t] >= 0`` (policy-generated tokens);
 - turn ids are non-decreasing over policy tokens and each turn is one contiguous run;
 - ``behavior_logprobs`` is 0.0 wherever ``loss_mask == 0``;
-- ``policy_version_min <= policy_version_max``.
+- ``policy_version_min <= policy_version_max``;
+- a :class:`Transcript`, when present, has one entry per policy turn, its non-empty
+  search queries number ``num_searches``, and only a turn that searched has passages.
+
+The transcript is what a person reads (``eval_samples.jsonl``, ``samples.jsonl``: see
+:mod:`services.records`); the learner never needs it, and the driver strips it
+(:meth:`Trajectory.without_transcript`) before a batch is shipped to the learner.
 
 Arrays are numpy (cheap to pickle through the Ray object store, no torch needed to build one).
 """
@@ -28,6 +34,88 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class TurnTranscript:
+    """One policy turn as the environment saw it.
+
+    Attributes:
+        text: The turn's decoded policy text (special tokens kept), uncapped.
+        search_query: The query sent to retrieval after this turn; ``""`` for an empty
+            ``<search></search>`` (answered with the invalid-action reply); None when the
+            turn did not search (it answered, stopped, or searched in the last allowed turn).
+        passages: ``(passage id, title)`` of each passage retrieval returned for the query,
+            in rank order; empty when the search failed or the turn did not search.
+    """
+
+    text: str
+    search_query: str | None = None
+    passages: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """What an episode said and how it was scored, for per-question records.
+
+    Attributes:
+        question: The question as put to the policy.
+        golden_answers: The accepted answers (aliases, or option letters).
+        turns: One :class:`TurnTranscript` per policy turn, in order.
+        scoring_method: ``exact_match`` or ``option_letter`` (see :mod:`actors.scoring`).
+        compared_prediction: The normalised answer (exact match) or extracted option letter
+            that was compared; None when there was no answer (malformed) or no letter.
+        compared_golden: The normalised golden answers (exact match) or golden letters.
+    """
+
+    question: str
+    golden_answers: tuple[str, ...]
+    turns: tuple[TurnTranscript, ...]
+    scoring_method: str
+    compared_prediction: str | None
+    compared_golden: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TurnSummary:
+    """Mean, min and max of a per-token value over one policy turn's tokens."""
+
+    mean: float
+    min: float
+    max: float
+
+
+def per_turn_summary(values: np.ndarray, turn_ids: np.ndarray) -> list[TurnSummary]:
+    """Summarise a per-token value (behaviour log-probs, advantages) turn by turn.
+
+    Args:
+        values: float [R], aligned with ``turn_ids`` (extra trailing padding is ignored
+            when ``turn_ids`` there is -1).
+        turn_ids: int [R], the turn index per policy token, -1 elsewhere.
+
+    Returns:
+        One :class:`TurnSummary` per turn ``0 .. max(turn_ids)``, in order; empty when no
+        token is a policy token. A turn without tokens gets NaNs.
+
+    Raises:
+        ValueError: ``values`` and ``turn_ids`` differ in length.
+
+    Example::
+
+        >>> per_turn_summary(np.array([1.0, 3.0, 0.0, 5.0]), np.array([0, 0, -1, 1]))[0].mean
+        2.0
+    """
+    values, turn_ids = np.asarray(values, dtype=np.float64), np.asarray(turn_ids)
+    if values.shape != turn_ids.shape:
+        raise ValueError(f"values {values.shape} and turn_ids {turn_ids.shape} differ")
+    out = []
+    for k in range(int(turn_ids.max(initial=-1)) + 1):
+        v = values[turn_ids == k]
+        if v.size == 0:
+            out.append(TurnSummary(float("nan"), float("nan"), float("nan")))
+        else:
+            out.append(TurnSummary(float(v.mean()), float(v.min()), float(v.max())))
+    return out
 
 
 @dataclass
@@ -63,6 +151,8 @@ class Trajectory:
         answer: The extracted ``<answer>`` text (None if absent).
         extra: Free-form diagnostics: ``num_invalid_searches`` (empty ``<search></search>``)
             and ``retrieval_error`` (``"<reason>: <message>"`` when a search failed).
+        transcript: The episode's turns, searches, passages and scoring in words
+            (:class:`Transcript`), or None (stripped before training, or not recorded).
     """
 
     prompt_ids: np.ndarray
@@ -86,6 +176,7 @@ class Trajectory:
     retrieval_s: float = 0.0
     answer: str | None = None
     extra: dict = field(default_factory=dict)
+    transcript: Transcript | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -134,7 +225,26 @@ class Trajectory:
                 raise ValueError("each turn must be one contiguous run of policy tokens")
         if self.policy_version_min > self.policy_version_max:
             raise ValueError("policy_version_min must be <= policy_version_max")
+        if self.transcript is not None:
+            self._validate_transcript(self.transcript)
         return self
+
+    def _validate_transcript(self, transcript: Transcript) -> None:
+        turns = transcript.turns
+        if len(turns) != self.num_turns:
+            raise ValueError(f"transcript has {len(turns)} turns, num_turns is {self.num_turns}")
+        searched = sum(bool(t.search_query) for t in turns)
+        if searched != self.num_searches:
+            raise ValueError(
+                f"transcript has {searched} search queries, num_searches is {self.num_searches}"
+            )
+        if any(t.passages and not t.search_query for t in turns):
+            raise ValueError("transcript: passages on a turn that sent no search query")
+
+    def without_transcript(self) -> Trajectory:
+        """A shallow copy without the transcript (what the learner is sent: it trains on
+        tokens only, so the text need not travel)."""
+        return dataclasses.replace(self, transcript=None)
 
     def to_dict(self) -> dict:
         """Plain-dict form (arrays as lists) for JSONL logs and tests."""

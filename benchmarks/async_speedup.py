@@ -40,8 +40,7 @@ def run_once(max_staleness: int, overrides: list[str]) -> tuple[list[dict], obje
         CONFIG, [*overrides, f"buffer.max_staleness={max_staleness}", f'run.name="{name}"']
     )
     steps_path = cfg.run_dir / "steps.jsonl"
-    steps_path.unlink(missing_ok=True)
-    run_training(cfg)
+    run_training(cfg, overwrite=True)  # an earlier run of the benchmark is moved aside
     return [json.loads(line) for line in steps_path.read_text().splitlines()], cfg
 
 

@@ -79,7 +79,7 @@ from pydantic import BaseModel, TypeAdapter
 from torch import Tensor
 
 from actors.hardware import resolve_dtype
-from actors.trajectory import Trajectory
+from actors.trajectory import Trajectory, TurnSummary, per_turn_summary
 from learner import advantages as adv_fns
 from learner import losses
 from learner.batch import TrainingBatch, collate_trajectories
@@ -155,6 +155,10 @@ class StepMetrics(Mapping):
         num_excluded_retrieval_failed, num_excluded_no_policy_tokens,
         num_excluded_singleton_group: trajectories dropped before training, by reason.
         value_loss, critic_grad_norm: 0.0 for variants without a critic.
+        turn_advantages: per trajectory of the step's input, in input order, the advantage
+            over each policy turn's tokens (:class:`actors.trajectory.TurnSummary`: mean,
+            min, max, after whitening or group normalisation); None for a trajectory
+            excluded from training. For the driver's ``samples.jsonl``; not a gauge.
     """
 
     policy_version: int
@@ -195,6 +199,7 @@ class StepMetrics(Mapping):
     step_s: float
     train_logprob_gap: float | None
     staleness: list[int] = field(default_factory=list)
+    turn_advantages: list[list[TurnSummary] | None] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSONL log line)."""
@@ -406,6 +411,23 @@ def _pad_columns(x: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
+def _turn_advantages(
+    trajectories: Sequence[Trajectory], kept: Sequence[Trajectory], batch: TrainingBatch
+) -> list[list[TurnSummary] | None]:
+    """Per input trajectory, :func:`actors.trajectory.per_turn_summary` of its row of
+    ``batch.advantages`` [B, T] (row i is ``kept[i]``); None for one not kept."""
+    rows = {id(t): i for i, t in enumerate(kept)}
+    out: list[list[TurnSummary] | None] = []
+    for t in trajectories:
+        i = rows.get(id(t))
+        if i is None:
+            out.append(None)
+            continue
+        advantages = batch.advantages[i, : t.num_response_tokens].detach().cpu().numpy()
+        out.append(per_turn_summary(advantages, t.turn_ids))
+    return out
+
+
 def _scalar(x: Tensor | float | None) -> float:
     if x is None:
         return float("nan")
@@ -604,7 +626,9 @@ class Learner:
         self.global_step += 1
         self.policy_version += 1
         step_s = time.perf_counter() - start
-        return self._step_metrics(batch, algorithm, selection, acc, staleness, step_s)
+        metrics = self._step_metrics(batch, algorithm, selection, acc, staleness, step_s)
+        metrics.turn_advantages = _turn_advantages(trajectories, selection.kept, batch)
+        return metrics
 
     def _select(self, trajectories: Sequence[Trajectory], algorithm: BaseModel) -> _Selection:
         kept = [t for t in trajectories if not t.retrieval_failed]

@@ -11,7 +11,9 @@ followed by ``dotted.key=value`` overrides (values parsed as TOML)::
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -69,21 +71,74 @@ def _load(args: list[str] | None):
 def train(
     config: ConfigArgs = None,
     resume: Annotated[
-        bool, typer.Option(help="Continue the run in run_dir from its latest checkpoint.")
+        bool,
+        typer.Option(
+            help="Continue the run in run_dir from its latest checkpoint (run.resume=must)."
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            help="Move a used run_dir aside to <name>.old-<time> (nothing is deleted) and "
+            "start a new run in it."
+        ),
     ] = False,
 ) -> None:
-    """Run the asynchronous actor-learner job (Ray actors, DeepSpeed learner, retrieval server)."""
+    """Run the asynchronous actor-learner job (Ray actors, DeepSpeed learner, retrieval server).
+
+    Exit status: 0 finished; 2 bad config or a run directory refused (run.resume); 75
+    stopped by SIGTERM after a checkpoint (resume it); 1 any other failure."""
     cfg = _load(config)
+    from services.run_records import RunDirInUse, plan_start
+
+    mode = "must" if resume else cfg.run.resume
+    try:  # answer a used run directory before loading anything
+        plan_start(cfg.run_dir, mode, overwrite)
+    except (RunDirInUse, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
     from services.env import configure_local_caches
     from services.model_source import ModelSourceError, is_hub_id
 
     configure_local_caches(hub_online=is_hub_id(cfg.model.path))
     from services.driver import run_training
+    from services.run_records import EXIT_INTERRUPTED, TrainingInterrupted
 
     try:
-        run_training(cfg, resume=resume)
-    except ModelSourceError as e:
+        with _pid_file(os.environ.get("STPPO_PID_FILE")):
+            run_training(cfg, resume=resume, overwrite=overwrite)
+    except (ModelSourceError, RunDirInUse) as e:
         _fail(str(e))
+    except TrainingInterrupted as e:
+        typer.secho(
+            f"interrupted at step {e.step}, resume with: {_resume_command(config, mode)}",
+            fg=typer.colors.YELLOW,
+            err=True,
+        )
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+@contextlib.contextmanager
+def _pid_file(path: str | None):
+    """Write this process's pid to ``path`` while training (None: nothing), so that a
+    container's preStop hook can send it SIGTERM (deploy/k8s/base/raycluster.yaml)."""
+    if not path:
+        yield
+        return
+    pid_path = Path(path)
+    pid_path.write_text(f"{os.getpid()}\n")
+    try:
+        yield
+    finally:
+        pid_path.unlink(missing_ok=True)
+
+
+def _resume_command(config: list[str] | None, mode: str) -> str:
+    """The ``stppo train`` command line that continues this run."""
+    import shlex
+
+    args = [a for a in (config or []) if not a.startswith("run.resume=")]
+    line = " ".join(["stppo", "train", *(shlex.quote(a) for a in args)])
+    return line if mode == "auto" else f"{line} --resume"
 
 
 @app.command()
@@ -365,6 +420,36 @@ def plot(
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     typer.echo(f"wrote {path}")
+
+
+@app.command()
+def show(
+    path: Annotated[
+        Path, typer.Argument(help="Run directory (runs/<name>) or a records .jsonl file.")
+    ],
+    data_source: Annotated[str | None, typer.Option(help="Only this QA set (data_source).")] = None,
+    correct: Annotated[
+        bool | None,
+        typer.Option("--correct/--incorrect", help="Only correct / only incorrect answers."),
+    ] = None,
+    record: Annotated[
+        str | None,
+        typer.Option(help="Print one record in full: its row number (#) or question id."),
+    ] = None,
+    samples: Annotated[
+        bool, typer.Option(help="The last step's training samples (samples.jsonl) instead.")
+    ] = False,
+) -> None:
+    """Print the latest evaluation's per-question records as a table, or one in full.
+
+    Reads eval_samples.jsonl (or samples.jsonl with --samples); --record prints one record
+    with every turn, search and passage."""
+    from services.show import render
+
+    try:
+        render(path, data_source=data_source, correct=correct, record=record, samples=samples)
+    except (FileNotFoundError, LookupError, ValueError) as e:
+        _fail(str(e))
 
 
 @app.command("config")

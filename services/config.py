@@ -60,6 +60,21 @@ class RunSection(StrictModel):
     eval_questions: int = Field(64, ge=0, le=1_000_000)
     """Validation questions per evaluation (0 disables evaluation)."""
 
+    samples_per_step: int = Field(2, ge=0, le=1024)
+    """Trained trajectories per learner step written in full to ``samples.jsonl`` (and the
+    trackers), chosen at random among the step's batch (0 = none)."""
+
+    record_text_chars: int = Field(2000, ge=16, le=1_000_000)
+    """Cap on the characters of each text (question, each turn's policy text) kept in
+    ``eval_samples.jsonl`` and ``samples.jsonl``; each record states the cap and which
+    texts it cut."""
+
+    resume: Literal["never", "auto", "must"] = "never"
+    """What a start does with a run directory that already holds a run: ``never`` refuses it
+    (new runs only), ``auto`` resumes from its latest checkpoint if there is one and starts
+    otherwise (the cluster configs: a retried job continues), ``must`` resumes and fails
+    without a checkpoint (``stppo train --resume``). See services/run_records.py."""
+
 
 class ModelSection(StrictModel):
     """The policy model every component starts from."""

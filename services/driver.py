@@ -20,6 +20,10 @@ Trajectories held in the buffer or in flight when a checkpoint is written are no
 on ``--resume`` they are regenerated from the next questions of the sampler (whose position
 is checkpointed). Nothing is trained on twice: a trajectory is only ever consumed once, and
 the sampler never re-issues a question drawn before the checkpoint.
+
+How a start treats a used run directory (``run.resume``), the run id and attempt on every
+record line, and the records a resume supersedes: :mod:`services.run_records`. On SIGTERM
+the run checkpoints and raises :class:`services.run_records.TrainingInterrupted`.
 """
 
 from __future__ import annotations
@@ -31,13 +35,21 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from services.config import RunConfig
 from services.control import ControlState, changed_fields, public_config
 from services.env import ray_temp_dir
+from services.run_records import (
+    RecordWriter,
+    StartPlan,
+    TrainingInterrupted,
+    move_aside,
+    plan_start,
+    start_attempt,
+)
 
 log = logging.getLogger("stppo.driver")
 
@@ -81,6 +93,8 @@ class DriverState:
     trajectories_dropped_stale: int = 0
     actor_restarts: int = 0
     warm_started: bool = False
+    elapsed_s: float = 0.0  # training wall time up to the checkpoint, summed over attempts
+    record_lines: dict[str, int] = field(default_factory=dict)  # lines per *.jsonl file
 
 
 class Driver:
@@ -88,16 +102,30 @@ class Driver:
 
     Args:
         cfg: the validated run config.
-        resume: continue from the latest checkpoint in ``cfg.run_dir``.
+        resume: continue from the latest checkpoint in ``cfg.run_dir`` (``run.resume =
+            "must"``); False follows ``cfg.run.resume``.
         max_train_s: wall-clock cap on the training loop in seconds (0 = none), counted from
             the loop's start (after startup, warm start and the ``start`` evaluation); when it
             expires no new learner step starts, the one in progress finishes, and the run
-            checkpoints and evaluates as usual (as after SIGTERM).
+            checkpoints and evaluates as usual.
+        overwrite: move a used ``cfg.run_dir`` aside and start a new run there.
+
+    ``run`` raises :class:`services.run_records.RunDirInUse` (``never`` on a used directory),
+    ``FileNotFoundError`` (``must`` without a checkpoint), and, after SIGTERM and its
+    checkpoint, :class:`services.run_records.TrainingInterrupted`.
     """
 
-    def __init__(self, cfg: RunConfig, resume: bool = False, max_train_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        resume: bool = False,
+        max_train_s: float = 0.0,
+        overwrite: bool = False,
+    ) -> None:
         self.cfg = cfg
-        self.resume = resume
+        self.resume_mode = "must" if resume else cfg.run.resume
+        self.overwrite = overwrite
+        self.resume = False  # set by _prepare_run_dir: a checkpoint is restored
         self.max_train_s = max_train_s
         self.run_dir = cfg.run_dir
         self.state = DriverState()
@@ -119,6 +147,7 @@ class Driver:
         self._lagged_sync: Any = None  # services.lagged_sync, with sync.fixed_lag
         self._retrieval_supervisor: Any = None
         self._last_checkpoint_step = -1
+        self.records: RecordWriter | None = None  # set by _prepare_run_dir
         self.tracker: Any = None  # services.tracking.Tracker when tracking.backends is set
 
     # ------------------------------------------------------------------ lifecycle
@@ -137,19 +166,33 @@ class Driver:
                 self._evaluate("before_warm_start")
                 self._warm_start()
             self._sync_weights(blocking=True)
-            self._evaluate("start")
+            self._evaluate("resume" if self.resume else "start")
             self._install_signal_handlers()
             self._train_loop()
             if self._last_checkpoint_step != self.state.learner_step:  # not saved at the last step
                 self._checkpoint()
+            if self.interrupted:  # not the end: no final evaluation, the caller exits non-zero
+                self._plot()
+                self.progress.say(f"interrupted at step {self.state.learner_step}")
+                raise TrainingInterrupted(self.state.learner_step, self.run_dir)
             self._evaluate("end")
             self._plot()
             return self.state
         finally:
             self._shutdown()
 
+    @property
+    def interrupted(self) -> bool:
+        """SIGTERM stopped the loop before ``run.num_steps``."""
+        return self.stop_requested.is_set() and self.state.learner_step < self.cfg.run.num_steps
+
     def _prepare_run_dir(self) -> None:
+        plan = plan_start(self.run_dir, self.resume_mode, self.overwrite)
+        moved_to = move_aside(self.run_dir) if plan.move_aside else None
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.resume = plan.checkpoint is not None
+        lineage = start_attempt(self.run_dir, plan, _checkpoint_step(plan))
+        self.records = RecordWriter(self.run_dir, lineage)
         (self.run_dir / "config.json").write_text(json.dumps(public_config(self.cfg), indent=2))
         handler = logging.FileHandler(self.run_dir / "driver.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -158,6 +201,9 @@ class Driver:
         from services.progress import Progress
 
         self.progress = Progress(total_steps=self.cfg.run.num_steps, run_dir=self.run_dir)
+        if moved_to is not None:
+            self.progress.say(f"moved the previous run aside to {moved_to}")
+        self.progress.say(_describe_start(plan, lineage))
 
     def _start_retrieval(self) -> None:
         if self.cfg.retrieval.url:
@@ -321,7 +367,9 @@ class Driver:
 
     def _install_signal_handlers(self) -> None:
         def on_sigterm(signum, frame):
-            self.progress.say("SIGTERM: finishing the current step, checkpointing, exiting")
+            self.progress.say(
+                "SIGTERM: finishing the current step, checkpointing, exiting with status 75"
+            )
             self.stop_requested.set()
 
         if threading.current_thread() is threading.main_thread():
@@ -428,6 +476,7 @@ class Driver:
 
     def _evaluate(self, tag: str) -> None:
         from services.evaluate import summarize_eval
+        from services.records import EVAL_RECORDS, eval_records
         from services.sampler import evaluation_questions
 
         n = self.cfg.run.eval_questions
@@ -441,6 +490,13 @@ class Driver:
             tag=tag, learner_step=self.state.learner_step, policy_version=self.state.policy_version
         )
         self._append_jsonl("eval.jsonl", summary)
+        self._write_records(
+            EVAL_RECORDS,
+            f"eval_samples/{tag}",
+            eval_records(
+                trajectories, tag, self.state.learner_step, self.cfg.run.record_text_chars
+            ),
+        )
         self.progress.say(f"eval ({tag}) validation: {_fmt(summary)}")
 
     def _rollout_shards(self, shards: list[list[dict[str, Any]]], tag: str) -> list[Any]:
@@ -620,7 +676,9 @@ class Driver:
         if _lost_weights(trajectories, slot.submitted_version):
             # Its output is correctly stamped (and will be dropped as stale); re-sync it.
             self._on_actor_crash(slot, RuntimeError("engine lost its weights (restarted)"))
-        _stamp_ids(trajectories, slot.first_draw, self.cfg.rollout.group_size)
+        _stamp_ids(
+            trajectories, slot.first_draw, self.cfg.rollout.group_size, self.records.lineage.attempt
+        )
         self._on_rollout_done(trajectories)
 
     def _on_rollout_done(self, trajectories: list[Any]) -> None:
@@ -662,7 +720,10 @@ class Driver:
         self.metrics.observe_staleness(take.staleness)
         self._step_take = take
         self._step_started_s = time.perf_counter()
-        self._step_ref = self.learner.step.remote(take.trajectories)
+        # the learner trains on tokens: the transcripts stay here (for samples.jsonl)
+        self._step_ref = self.learner.step.remote(
+            [t.without_transcript() for t in take.trajectories]
+        )
 
     def _on_step_done(self, step_metrics: dict[str, float]) -> None:
         import ray
@@ -691,6 +752,7 @@ class Driver:
         self.metrics.nonfinite_steps_total.inc(int(step_metrics.get("skipped_steps", 0)))
         stats = ray.get(self.buffer.stats.remote())
         record = dict(step_metrics)
+        self._write_samples(take, record.pop("turn_advantages", None) or [])
         trained = step_metrics.get("variant", self.control.config.algorithm.variant)
         if trained != self.control.config.algorithm.variant:
             raise RuntimeError(
@@ -917,6 +979,8 @@ class Driver:
         import ray
 
         self.state.questions_drawn = self.sampler.num_drawn
+        self.state.elapsed_s = round(time.perf_counter() - self._run_started_s, 3)
+        self.state.record_lines = self.records.line_counts()
         path = self.run_dir / "checkpoints" / f"step_{self.state.learner_step:06d}"
         ray.get(self.learner.save_checkpoint.remote(str(path)))
         (path / "driver_state.json").write_text(json.dumps(self.state.__dict__, indent=2))
@@ -965,6 +1029,7 @@ class Driver:
         saved = json.loads((path / "driver_state.json").read_text())
         self.state = DriverState(**saved)
         self.sampler.num_drawn = self.state.questions_drawn
+        self._run_started_s = time.perf_counter() - self.state.elapsed_s
         config_path = path / "config.json"
         if config_path.exists():
             restored = restore_live_fields(self.cfg, json.loads(config_path.read_text()))
@@ -992,9 +1057,31 @@ class Driver:
 
     # ------------------------------------------------------------------ logs
 
+    def _write_samples(self, take: Any, turn_advantages: list[Any]) -> None:
+        """``run.samples_per_step`` of the step's trained trajectories to ``samples.jsonl``."""
+        from services.records import TRAIN_SAMPLES, sample_records
+
+        run = self.cfg.run
+        records = sample_records(
+            take.trajectories, take.staleness, turn_advantages, self.state.learner_step,
+            run.samples_per_step, run.seed, run.record_text_chars,
+        )  # fmt: skip
+        self._write_records(TRAIN_SAMPLES, "samples/train", records)
+
+    def _write_records(self, name: str, key: str, records: list[dict[str, Any]]) -> None:
+        """Append per-question records to ``<run_dir>/<name>`` and the trackers (``key``),
+        at the current learner step (see :mod:`services.records`)."""
+        if not records:
+            return
+        for record in records:  # through the run's one writer: run id and attempt on each line
+            self.records.append(name, record)
+        if self.tracker is not None:
+            self.tracker.log_records(key, records, self.state.learner_step)
+
     def _append_jsonl(self, name: str, record: dict[str, Any]) -> None:
-        with (self.run_dir / name).open("a") as f:
-            f.write(json.dumps(record, default=_json_default) + "\n")
+        """One record line through :class:`services.run_records.RecordWriter` (which adds
+        ``run_id`` and ``attempt``), and to the tracking backends without them."""
+        self.records.append(name, record)
         if self.tracker is not None:  # steps, evaluations, warm start, live changes
             self.tracker.log_record(name, record)
 
@@ -1021,16 +1108,34 @@ def restore_live_fields(cfg: RunConfig, saved: dict[str, Any]) -> RunConfig:
     return update_config(cfg, changes)
 
 
-def _stamp_ids(trajectories: list[Any], first_draw: int, group_size: int) -> None:
-    """Set ``extra["trajectory_id"] = "d<draw>-g<k>"``: the sampler draw of its question and
-    its index in the group. Unique across a run and its resumes (the sampler never re-issues
-    a draw), unlike ``group_id``, whose batch counter restarts with the actor.
+def _stamp_ids(trajectories: list[Any], first_draw: int, group_size: int, attempt: int) -> None:
+    """Set ``extra["trajectory_id"] = "a<attempt>-d<draw>-g<k>"``: the run's attempt, the
+    sampler draw of its question and its index in the group. Unique across a run and its
+    resumes: within an attempt the sampler never re-issues a draw, and a resume re-issues the
+    draws made after its checkpoint under a new attempt (unlike ``group_id``, whose batch
+    counter restarts with the actor).
 
     ``RolloutWorker.rollout`` returns ``group_size`` trajectories per record, in record order.
     """
     for k, t in enumerate(trajectories):
         draw, g = first_draw + k // group_size, k % group_size
-        t.extra["trajectory_id"] = f"d{draw}-g{g}"
+        t.extra["trajectory_id"] = f"a{attempt}-d{draw}-g{g}"
+
+
+def _checkpoint_step(plan: StartPlan) -> int:
+    """The learner step of ``plan.checkpoint`` (0 without one)."""
+    if plan.checkpoint is None:
+        return 0
+    return int(json.loads((plan.checkpoint / "driver_state.json").read_text())["learner_step"])
+
+
+def _describe_start(plan: StartPlan, lineage: Any) -> str:
+    what = f"run {lineage.run_id} attempt {lineage.attempt}"
+    if plan.checkpoint is not None:
+        return f"{what}: resuming from {plan.checkpoint.name}"
+    if plan.continue_lineage:
+        return f"{what}: no checkpoint, starting over (earlier records moved to superseded/)"
+    return f"{what}: new run"
 
 
 def _lost_weights(trajectories: list[Any], expected_version: int) -> bool:
@@ -1067,14 +1172,6 @@ def _learner_gauges() -> set[str]:
     return set(LEARNER_STEP_METRICS)
 
 
-def _json_default(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
-    if hasattr(value, "__dict__"):
-        return value.__dict__
-    return str(value)
-
-
 def _fmt(values: dict[str, Any]) -> str:
     parts = []
     for k, v in values.items():
@@ -1085,16 +1182,18 @@ def _fmt(values: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def run_training(cfg: RunConfig, resume: bool = False) -> DriverState:
+def run_training(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> DriverState:
     """Entry point of ``stppo train``: resolves ``model.path`` (a hub id is downloaded once,
     :mod:`services.model_source`) and runs the :class:`Driver`.
 
     Raises:
         services.model_source.ModelSourceError: ``model.path`` is not usable.
+        services.run_records.RunDirInUse, FileNotFoundError, TrainingInterrupted: see
+            :class:`Driver`.
     """
     from services.model_source import with_resolved_model
 
-    return Driver(with_resolved_model(cfg), resume=resume).run()
+    return Driver(with_resolved_model(cfg), resume=resume, overwrite=overwrite).run()
 
 
 def _fmt_seconds(seconds: float) -> str:

@@ -163,7 +163,9 @@ def run_eval(
     Starts the retrieval server (unless ``retrieval.url`` is set), loads the policy into an
     HF engine in this process, runs each of ``modes`` (default ``["agent"]``) on the same
     questions, prints a table (success side by side per mode, then details) and writes JSON
-    to ``out`` (default ``<run_dir>/eval_<split>.json``).
+    to ``out`` (default ``<run_dir>/eval_<split>.json``), a markdown table beside it, and one
+    record per question and mode (:mod:`services.records`, tag ``eval_<split>``) to
+    ``<out stem>_samples.jsonl`` (replaced, not appended to).
 
     Returns:
         One :class:`SetScore` per (mode, set), modes in the order given.
@@ -174,6 +176,7 @@ def run_eval(
     """
     from actors.rollout import RolloutWorker
     from retrieval_server.testing import start_server, stop_server
+    from services.records import append_records, eval_records
     from services.sampler import qa_sets
 
     modes = list(modes or ["agent"])
@@ -182,6 +185,8 @@ def run_eval(
     policy_dir = resolve_policy_dir(checkpoint, cfg.model.path)
     out = out or cfg.run_dir / f"eval_{split}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    samples = out.with_name(f"{out.stem}_samples.jsonl")
+    samples.unlink(missing_ok=True)
     server = None
     if cfg.retrieval.url:
         url = cfg.retrieval.url
@@ -198,6 +203,10 @@ def run_eval(
             for m in modes:
                 trajectories = evaluate_records(worker, records, batch_size, mode=m)
                 scores.append(score_set(name, trajectories, mode=m))
+                append_records(
+                    samples,
+                    eval_records(trajectories, f"eval_{split}", 0, cfg.run.record_text_chars, m),
+                )
         worker.close()
     finally:
         if server is not None:
@@ -219,7 +228,7 @@ def run_eval(
     )
     md = out.with_suffix(".md")
     md.write_text(eval_markdown(scores))
-    print(f"wrote {out} and {md}")
+    print(f"wrote {out}, {md} and {samples}")
     return scores
 
 

@@ -426,11 +426,16 @@ def run_collapsed(steps: list[dict[str, Any]], rule: CollapseRule) -> bool | Non
 # --------------------------------------------------------------------------- summary
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file ([] when the file does not exist)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_jsonl(path: Path, step_key: str | None = None) -> list[dict[str, Any]]:
+    """Records of a run's JSONL file ([] when the file does not exist), checked to hold one
+    run and, with ``step_key``, each step once (:func:`services.run_records.read_records`).
+
+    Raises:
+        ValueError: the file mixes runs or repeats a step.
+    """
+    from services.run_records import read_records
+
+    return read_records(path, step_key)
 
 
 def _series(records: list[dict[str, Any]], key: str) -> list[float]:
@@ -461,7 +466,7 @@ def summarize_run(run_dir: Path, rule: CollapseRule, seed: int = 0) -> RunSummar
     if not config_path.exists():
         raise FileNotFoundError(f"{config_path} not found: is {run_dir} a run directory?")
     cfg = json.loads(config_path.read_text())
-    steps = read_jsonl(run_dir / "steps.jsonl")
+    steps = read_jsonl(run_dir / "steps.jsonl", "step")
     evals = read_jsonl(run_dir / "eval.jsonl")
     by_tag = {e.get("tag"): e for e in evals}
     rl_evals = [e for e in evals if e.get("tag") != "before_warm_start"]
@@ -767,11 +772,17 @@ def _run_warm_start(warm: PlannedRun, policy_dir: Path, skip_finished: bool) -> 
 
 
 def _clear_partial_run(run_dir: Path) -> None:
-    """Remove the logs of an unfinished run so the rerun's JSONL starts empty."""
+    """Remove the records of an unfinished run (every ``*.jsonl``, its lineage, superseded
+    records, checkpoints, ``console.log``) so the rerun starts a new run in it."""
     import shutil
 
-    for name in ("steps.jsonl", "eval.jsonl", "sft.jsonl", "config_changes.jsonl", "console.log"):
+    from services.run_records import LINEAGE_FILE, SUPERSEDED_DIR
+
+    for path in run_dir.glob("*.jsonl"):
+        path.unlink()
+    for name in (LINEAGE_FILE, "console.log"):
         (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / SUPERSEDED_DIR, ignore_errors=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 

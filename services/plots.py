@@ -7,10 +7,11 @@ vs ST-PPO is one picture.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from services.run_records import read_records
 
 PANELS: tuple[tuple[str, str], ...] = (
     ("success_rate", "success rate"),
@@ -40,12 +41,12 @@ def read_run(run_dir: Path) -> RunCurves:
 
     Raises:
         FileNotFoundError: the run has no ``steps.jsonl``.
-        ValueError: it is empty.
+        ValueError: it is empty, mixes runs or repeats a step.
     """
     path = run_dir / "steps.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory?")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(path, "step")  # one run, each step once (a resume supersedes)
     if not records:
         raise ValueError(f"{path} has no steps")
     variants = sorted(

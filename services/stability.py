@@ -136,13 +136,13 @@ def run_stats(run_dir: Path, rule: CollapseRule, final_window: int = 10) -> RunS
         FileNotFoundError: no ``config.json``.
     """
     cfg = json.loads((run_dir / "config.json").read_text())
-    steps = read_jsonl(run_dir / "steps.jsonl")
+    steps = read_jsonl(run_dir / "steps.jsonl", "step")
     end = [e for e in read_jsonl(run_dir / "eval.jsonl") if e.get("tag") == "end"]
     success = _series(steps, "success_rate")
     scale = _finite(_series(steps, "clip_bias_scale"))
     lag = int(cfg["buffer"]["max_staleness"])
     exact = consumed = 0
-    for rec in read_jsonl(run_dir / "consumed.jsonl"):
+    for rec in read_jsonl(run_dir / "consumed.jsonl", "step"):
         want = min(int(rec["step"]) - 1, lag)
         for s in rec.get("staleness", []):
             consumed += 1

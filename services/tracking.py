@@ -10,6 +10,13 @@ Everything the driver appends to its JSON Lines logs goes to every configured ba
 | ``sft.jsonl`` | ``sft/<key>`` | 0 |
 | ``config_changes.jsonl`` | ``config/<dotted field>`` with its new value (numbers as metrics, text as TensorBoard text / MLflow tags) | ``learner_step`` |
 
+Per-question records (:mod:`services.records`: ``eval_samples.jsonl`` and ``samples.jsonl``,
+:meth:`Tracker.log_records`) go to TensorBoard as a markdown table (text
+``eval_samples/<tag>`` / ``samples/train``, one row per record), to MLflow as a JSON Lines
+artifact (``eval_samples/<tag>_step<N>.jsonl`` / ``samples/train_step<N>.jsonl``, the
+records in full), and to W&B as a table (key ``eval_samples/<tag>`` / ``samples/train``:
+the one-line columns of :func:`services.records.summary_row` plus ``turns`` as JSON).
+
 The run's whole config (token redacted) is logged once at start: TensorBoard text
 ``config``, MLflow params (dotted names), W&B ``run.config``.
 
@@ -153,6 +160,10 @@ class _TensorBoard:
             self.writer.add_text(key, value, step)
         self.writer.flush()
 
+    def records(self, key: str, records: list[dict], step: int) -> None:
+        self.writer.add_text(key, _markdown_rows(records), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -194,6 +205,10 @@ class _MLflow:
         for key, value in values.items():
             self.client.set_tag(self.run_id, _mlflow_key(key), value)
 
+    def records(self, key: str, records: list[dict], step: int) -> None:
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        self.client.log_text(self.run_id, text, f"{key}_step{step:06d}.jsonl")
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
@@ -223,8 +238,38 @@ class _WandB:
     def texts(self, values: dict[str, str], step: int) -> None:
         self.run.config.update(values, allow_val_change=True)
 
+    def records(self, key: str, records: list[dict], step: int) -> None:
+        import wandb
+
+        from services.records import summary_row
+
+        rows = [
+            {**summary_row(r), "turns": json.dumps(r.get("turns", []), ensure_ascii=False)}
+            for r in records
+        ]
+        columns = list(rows[0])
+        table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+        self.run.log({key: table, "learner_step": step})
+
     def close(self) -> None:
         self.run.finish()
+
+
+def _markdown_rows(records: list[dict]) -> str:
+    """Records as a markdown table of :func:`services.records.summary_row` columns (cells
+    with ``|`` and line breaks escaped, each cut to 200 characters)."""
+    from services.records import summary_row
+
+    rows = [summary_row(r) for r in records]
+    columns = list(rows[0])
+
+    def cell(value: object) -> str:
+        text = str(value).replace("|", "\\|").replace("\n", " ")
+        return text if len(text) <= 200 else text[:199] + "…"
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def _mlflow_key(key: str) -> str:
@@ -316,6 +361,13 @@ class Tracker:
         step = int(record.get(step_key, 0)) if step_key else 0
         values = {f"{prefix}/{k}": v for k, v in record.items() if k != step_key}
         self.log_metrics(values, step)
+
+    def log_records(self, key: str, records: list[dict], step: int) -> None:
+        """Log per-question records (one evaluation, or one step's samples) under ``key``
+        (``eval_samples/<tag>``, ``samples/train``) at ``step`` on every backend (see the
+        module docstring). Nothing for no records."""
+        if self.backends and records:
+            self._each("records", key, list(records), int(step))
 
     def close(self) -> None:
         """Flush and close every backend (errors are logged, not raised)."""

@@ -80,6 +80,15 @@ def groups() -> Iterator[dict[int, Ranks]]:
         ray.shutdown()
 
 
+def turn_values(metrics) -> list[float | None]:
+    """``StepMetrics.turn_advantages`` flattened: mean, min, max of every turn, in order
+    (None for an excluded trajectory)."""
+    flat: list[float | None] = []
+    for turns in metrics.to_dict()["turn_advantages"]:
+        flat += [None] if turns is None else [t[k] for t in turns for k in ("mean", "min", "max")]
+    return flat
+
+
 @pytest.mark.parametrize("zero_stage", [2, 3])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_two_gpu_ranks_equal_one(groups, tiny_llama_dir, variant, zero_stage):
@@ -88,6 +97,9 @@ def test_two_gpu_ranks_equal_one(groups, tiny_llama_dir, variant, zero_stage):
     assert one.optimizer_steps == two[0].optimizer_steps == 2
     for name, value in one.to_dict().items():
         if name in ("step_s", "tokens_per_s"):
+            continue
+        if name == "turn_advantages":  # per trajectory and turn: mean, min, max
+            assert turn_values(two[0]) == pytest.approx(turn_values(one), rel=RTOL, abs=ATOL)
             continue
         if isinstance(value, float) and math.isnan(value):
             assert math.isnan(two[0][name]), name

@@ -21,6 +21,7 @@ from actors.engines.scripted import ScriptedEngine
 from actors.rollout import RolloutWorker
 from services.env import PROJECT_ROOT
 from services.evaluate import evaluate_records, score_set
+from services.records import recount
 from services.sampler import read_qa_split
 
 pytestmark = pytest.mark.integration
@@ -119,6 +120,18 @@ def test_cli_eval_all_modes_on_tiny_llama(
         "|---|---|---|---|---|---|---|---|",
         "| single_hop | closed_book | 2 | 0.000 | 0.00 | 1.00 | 1.00 | 0 |",
     ]
+    # one record per question and mode, recounting to the report's rows
+    records = [json.loads(line) for line in (tmp_path / "eval_samples.jsonl").open()]
+    assert [r["mode"] for r in records] == ["closed_book"] * 2 + ["rag"] * 2 + ["agent"] * 2
+    for mode, row in rows.items():
+        mine = [r for r in records if r["mode"] == mode]
+        assert recount(mine)["success_rate"] == row["success_rate"]
+        assert recount(mine)["malformed_rate"] == row["malformed_rate"]
+        assert all(r["tag"] == "eval_validation" and r["malformed_reason"] for r in mine)
+    rag = [r for r in records if r["mode"] == "rag"]
+    assert all(r["turns"][0]["search_query"] == r["question"] for r in rag)
+    assert all(len(r["turns"][0]["passages"]) == 3 for r in rag)  # top-3 by default
+    assert all(r["turns"][0]["passages"] == [] for r in records if r["mode"] == "closed_book")
 
 
 def test_rollout_dtype_selects_the_engine_dtype(tiny_llama_dir: Path):

@@ -112,9 +112,24 @@ def run(ranks: Ranks, model: Path, algorithm, zero_stage: int, micro: int):
     return metrics, exports
 
 
+def turn_values(metrics) -> list[float | None]:
+    """``StepMetrics.turn_advantages`` flattened: mean, min, max of every turn, in order
+    (None for an excluded trajectory)."""
+    flat: list[float | None] = []
+    for turns in metrics.to_dict()["turn_advantages"]:
+        if turns is None:
+            flat.append(None)
+            continue
+        flat += [turn[k] for turn in turns for k in ("mean", "min", "max")]
+    return flat
+
+
 def assert_same_metrics(actual, expected, *, rtol: float, atol: float) -> None:
     for name, value in expected.to_dict().items():
         if name in NOT_COMPARED:
+            continue
+        if name == "turn_advantages":
+            assert turn_values(actual) == pytest.approx(turn_values(expected), rel=rtol, abs=atol)
             continue
         other = actual[name]
         if isinstance(value, float) and math.isnan(value):

@@ -56,7 +56,7 @@ def test_run_on_parquet_sets_logs_to_every_tracker(
     assert {"success_rate/nq", "success_rate/hotpotqa"} <= set(evals[-1])
 
     tracking = run_dir / "tracking"
-    scalars, _ = read_tensorboard(tracking / "tensorboard")
+    scalars, texts = read_tensorboard(tracking / "tensorboard")
     client, mlrun = mlflow_run(tracking)
     (wandb_file,) = (tracking / "wandb").glob("offline-run-*/run-*.wandb")
     wandb_rows = read_wandb_history(wandb_file)
@@ -72,3 +72,9 @@ def test_run_on_parquet_sets_logs_to_every_tracker(
     change_point = [(change["learner_step"], 2.0)]
     assert scalars["config/buffer.max_staleness"] == change_point
     assert history(client, mlrun, "config/buffer.max_staleness") == change_point
+    # the per-question records reach every tracker too
+    assert [step for step, _ in texts["samples/train"]] == [1, 2, 3]
+    assert [step for step, _ in texts["eval_samples/end"]] == [3]
+    artifacts = [a.path for a in client.list_artifacts(mlrun.info.run_id, "eval_samples")]
+    assert artifacts == ["eval_samples/end_step000003.jsonl", "eval_samples/start_step000000.jsonl"]
+    assert [r["learner_step"] for r in wandb_rows if "samples/train/path" in r] == [1, 2, 3]

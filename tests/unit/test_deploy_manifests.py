@@ -242,6 +242,63 @@ def test_rayjob_entrypoint_config_exists_is_mounted_and_loads(overlay):
     assert cfg.ray.num_cpus is None  # joining a cluster: Ray refuses num_cpus
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_retried_rayjob_resumes_its_run(overlay):
+    """Issue 33: a job stopped by SIGTERM exits 75 (failed, not succeeded); the RayJob
+    submits it again (spec.backoffLimit) and run.resume = auto continues the run."""
+    objects = rendered(overlay)
+    _, overrides, cfg = run_config_of(objects)
+    assert cfg.run.resume == "auto"
+    assert not any(o.startswith("run.resume") for o in overrides)
+    assert one(objects, "RayJob")["spec"]["backoffLimit"] >= 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_head_signals_the_driver_before_it_stops(overlay):
+    """The head container's SIGTERM stops ``ray start --block``, not the driver under it:
+    its preStop hook sends SIGTERM to the pid stppo train wrote to STPPO_PID_FILE and waits,
+    within the pod's grace period, for the checkpoint and exit 75."""
+    objects = rendered(overlay)
+    head = head_container(objects)
+    env = {e["name"]: e.get("value") for e in head["env"]}
+    pid_file = env["STPPO_PID_FILE"]
+    mounts = [m["mountPath"] for m in head["volumeMounts"]]
+    assert any(pid_file.startswith(m + "/") for m in mounts), "pid file on a mounted volume"
+    hook = " ".join(head["lifecycle"]["preStop"]["exec"]["command"])
+    assert 'kill -TERM "$p"' in hook and '"$STPPO_PID_FILE"' in hook and "kill -0" in hook
+    pod = one(objects, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= 120
+
+
+def test_the_pre_stop_hook_waits_until_the_driver_has_exited(tmp_path: Path):
+    """Run the hook's shell command against a stand-in driver that takes 1 s to checkpoint
+    after SIGTERM (its parent shell reaps it, as Ray's job supervisor does): the hook
+    returns only once it has exited (75); with no pid file it returns at once."""
+    import sys
+    import time
+
+    hook = head_container(rendered("cpu-demo"))["lifecycle"]["preStop"]["exec"]["command"]
+    pid_file, code = tmp_path / "stppo-train.pid", tmp_path / "code"
+    driver = (
+        "import os, signal, sys, time; "
+        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1), sys.exit(75))); "
+        "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
+        "os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(60)"
+    )
+    parent = subprocess.Popen(
+        ["/bin/sh", "-c", f'"{sys.executable}" -c "{driver}" "{pid_file}"; echo $? > "{code}"']
+    )
+    while not pid_file.exists():
+        time.sleep(0.05)
+    env = {"STPPO_PID_FILE": str(pid_file), "PATH": "/usr/bin:/bin"}
+    started = time.monotonic()
+    subprocess.run(hook, env=env, check=True, timeout=30)
+    assert time.monotonic() - started >= 1.0
+    assert parent.wait(10) == 0 and code.read_text().strip() == "75"
+    pid_file.unlink()
+    subprocess.run(hook, env=env, check=True, timeout=5)  # no driver running: nothing to do
+
+
 def test_configmap_generator_lists_every_cluster_run_config():
     k = yaml.safe_load((DEPLOY / "configs" / "kustomization.yaml").read_text())
     listed = {f for g in k["configMapGenerator"] for f in g["files"]}

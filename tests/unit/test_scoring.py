@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.scoring import (
+    compared_forms,
     exact_match,
     extract_option_letter,
     normalize_answer,
@@ -178,3 +179,27 @@ def test_score_answer_any_data_source() -> None:
 def test_score_answer_rejects_bad_records() -> None:
     with pytest.raises(ValueError, match="no 'golden_answers'"):
         score_answer("x", {"id": "q9", "data_source": "single_hop"})
+
+
+@pytest.mark.parametrize(
+    ("prediction", "record", "method", "compared"),
+    [
+        ("The Eiffel  Tower!", _record("nq", ["Eiffel tower", "la tour"]), "exact_match",
+         ("eiffel tower", ("eiffel tower", "la tour"))),
+        ("Louvre", _record("nq", ["Eiffel Tower"]), "exact_match", ("louvre", ("eiffel tower",))),
+        (None, _record("nq", ["Paris"]), "exact_match", (None, ("paris",))),
+        ("the", _record("nq", ["Paris"]), "exact_match", ("", ("paris",))),
+        ("Marfan syndrome", _record("medical_mc", ["b"], options=OPTIONS), "option_letter",
+         ("B", ("B",))),
+        ("The answer is (c).", _record("medical_mc", ["B"], options=OPTIONS), "option_letter",
+         ("C", ("B",))),
+        ("no idea", _record("medical_mc", ["B"], options=OPTIONS), "option_letter",
+         (None, ("B",))),
+    ],
+)  # fmt: skip
+def test_compared_forms_are_what_score_answer_compares(prediction, record, method, compared):
+    forms = compared_forms(prediction, record)
+    assert (forms.method, (forms.prediction, forms.golden)) == (method, compared)
+    # the identity the records rely on: correct iff the compared prediction is a golden form
+    assert score_answer(prediction, record) == bool(forms.prediction in forms.golden and
+                                                    forms.prediction)  # fmt: skip

@@ -107,3 +107,53 @@ def test_a_failing_backend_is_switched_off_not_fatal(tmp_path: Path) -> None:
     tracker.log_record("steps.jsonl", {"step": 1, "loss": 1.0})
     assert tracker.backends == {}
     tracker.close()
+
+
+def test_per_question_records_reach_every_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    tracker = Tracker(
+        TrackingConfig(backends=["tensorboard", "mlflow", "wandb"]), tmp_path, "r", {}
+    )
+    turns = [{"text": "<answer> Lima | Peru </answer>", "tokens": 7, "search_query": None,
+              "passages": []}]  # fmt: skip
+    records = [
+        {"kind": "eval", "tag": "end", "learner_step": 4, "question_id": "single_hop/v/0",
+         "data_source": "single_hop", "question": "Capital of Peru?",
+         "golden_answers": ["Lima"], "turns": turns, "answer": "Lima | Peru",
+         "correct": False, "malformed_reason": None, "num_searches": 0},
+        {"kind": "eval", "tag": "end", "learner_step": 4, "question_id": "single_hop/v/1",
+         "data_source": "single_hop", "question": "Capital of Chile?",
+         "golden_answers": ["Santiago"], "turns": [], "answer": None, "correct": False,
+         "malformed_reason": "no_answer", "num_searches": 2},
+    ]  # fmt: skip
+    tracker.log_records("eval_samples/end", records, step=4)
+    tracker.log_records("eval_samples/start", [], step=0)  # nothing to log: no call
+    tracker.close()
+    directory = tmp_path / "tracking"
+
+    _, texts = read_tensorboard(directory / "tensorboard")
+    ((step, table),) = texts["eval_samples/end"]
+    lines = table.splitlines()
+    assert step == 4 and len(lines) == 4  # header, separator, two rows
+    assert lines[0].startswith("| question_id | data_source | correct | malformed_reason |")
+    assert r"Lima \| Peru" in lines[2]  # a | in a cell does not split it
+    assert "| no_answer |" in lines[3]
+    assert "eval_samples/start" not in texts
+
+    client, run = mlflow_run(directory)
+    local = client.download_artifacts(run.info.run_id, "eval_samples/end_step000004.jsonl")
+    assert [json.loads(line) for line in Path(local).read_text().splitlines()] == records
+
+    (run_dir,) = (directory / "wandb").glob("offline-run-*")
+    (row,) = [r for r in read_wandb_history(next(run_dir.glob("run-*.wandb")))
+              if "eval_samples/end/path" in r]  # fmt: skip
+    assert (row["learner_step"], row["eval_samples/end/_type"]) == (4, "table-file")
+    table = json.loads((run_dir / "files" / row["eval_samples/end/path"]).read_text())
+    assert table["columns"][:3] == ["question_id", "data_source", "correct"]
+    assert table["columns"][-1] == "turns"
+    by_id = {r[0]: dict(zip(table["columns"], r, strict=True)) for r in table["data"]}
+    assert by_id["single_hop/v/1"]["malformed_reason"] == "no_answer"
+    assert json.loads(by_id["single_hop/v/0"]["turns"]) == turns

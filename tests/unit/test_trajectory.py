@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from learner_factories import make_trajectory
 
-from actors.trajectory import Trajectory
+from actors.trajectory import Trajectory, Transcript, TurnTranscript, per_turn_summary
 
 
 def two_turns() -> Trajectory:
@@ -88,3 +88,45 @@ CASES = {
 def test_each_invariant_rejects_its_corruption(fields, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         corrupted(**fields).validate()
+
+
+def transcript(*turns: TurnTranscript) -> Transcript:
+    return Transcript("Capital of Peru?", ("Lima",), turns, "exact_match", "lima", ("lima",))
+
+
+SEARCHED = TurnTranscript("<search> Peru </search>", "Peru", (("p1", "Lima"),))
+ANSWERED = TurnTranscript("<answer> Lima </answer>")
+
+
+def test_a_matching_transcript_passes_and_is_stripped_for_the_learner():
+    t = corrupted(transcript=transcript(SEARCHED, ANSWERED)).validate()
+    stripped = t.without_transcript()
+    assert stripped.transcript is None and t.transcript is not None
+    assert stripped.response_ids is t.response_ids  # a shallow copy: no array copied
+
+
+TRANSCRIPT_CASES = {
+    "a turn missing": (transcript(SEARCHED), "transcript has 1 turns, num_turns is 2"),
+    "a search not counted": (
+        transcript(SEARCHED, TurnTranscript("<search> x </search>", "x")),
+        "transcript has 2 search queries, num_searches is 1"),
+    "passages without a search": (
+        transcript(TurnTranscript("<search></search>", "", (("p1", "Lima"),)), SEARCHED),
+        "transcript: passages on a turn that sent no search query"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "message"), TRANSCRIPT_CASES.values(), ids=TRANSCRIPT_CASES)
+def test_a_transcript_that_disagrees_with_the_tokens_is_rejected(value, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        corrupted(transcript=value).validate()
+
+
+def test_per_turn_summary():
+    # turn 0: 1 and 3 -> mean 2; turn 1: 5; the environment token (-1) is left out
+    (t0, t1) = per_turn_summary(np.array([1.0, 3.0, 9.0, 5.0]), np.array([0, 0, -1, 1]))
+    assert (t0.mean, t0.min, t0.max) == (2.0, 1.0, 3.0)
+    assert (t1.mean, t1.min, t1.max) == (5.0, 5.0, 5.0)
+    assert per_turn_summary(np.zeros(2), np.array([-1, -1])) == []
+    with pytest.raises(ValueError, match="differ"):
+        per_turn_summary(np.zeros(3), np.zeros(2, np.int32))
