@@ -79,8 +79,6 @@ DEFAULT_STATE_DIR = PROJECT_ROOT / "build" / "local-cluster"
 NAMESPACE = "stppo"
 HEAD_SERVICE = "stppo-head-svc"  # KubeRay's name for the head Service of RayCluster `stppo`
 POD_UID = 1000
-MOUNT_POINTS = ("/shared", "/configs", "/cache")
-"""Directories created at the machine's root as mount points (empty; removed by ``down``)."""
 
 
 class ClusterError(RuntimeError):
@@ -197,15 +195,15 @@ class Pod:
     pids: list[int] = field(default_factory=list)
 
 
-def _python_home_mounts(pod_root: Path) -> tuple[dict[str, str], list[str]]:
+def _python_home_mounts(pod_root: Path) -> list[str]:
     """Re-expose the interpreter's home to uid 1000 when it lives under a directory only
     root may enter (pyenv under ``/root``): ``/root`` is covered by an empty 0755 directory
-    holding only a bind of the interpreter's top directory. Returns (mounts, setup lines).
+    holding only a bind of the interpreter's top directory. Returns the shell lines.
     """
     real = Path(os.path.realpath(sys.executable))
     top = Path("/root")
     if top not in real.parents or os.stat(top).st_mode & 0o005 == 0o005:
-        return {}, []
+        return []
     first = real.relative_to(top).parts[0]
     stage = pod_root / "image" / "stage"
     cover = pod_root / "image" / "root"
@@ -217,7 +215,7 @@ def _python_home_mounts(pod_root: Path) -> tuple[dict[str, str], list[str]]:
         f"mount --bind {shlex.quote(str(cover))} /root",
         f"mount --bind {shlex.quote(str(stage))} /root/{shlex.quote(first)}",
     ]
-    return {}, lines
+    return lines
 
 
 def pod_command(host: Host, pod: Pod, uid: int | None, read_only: tuple[str, ...]) -> list[str]:
@@ -225,11 +223,10 @@ def pod_command(host: Host, pod: Pod, uid: int | None, read_only: tuple[str, ...
     with ``pod.mounts`` bound (``read_only`` ones remounted read-only), then the command as
     ``uid`` with exactly ``pod.env``."""
     lines = []
-    _, python_lines = _python_home_mounts(host.root)
-    lines += python_lines
+    lines += _python_home_mounts(host.root)
     for target, source in pod.mounts.items():
         q_target, q_source = shlex.quote(target), shlex.quote(source)
-        lines.append(f"mount --bind {q_source} {q_target}")
+        lines.append(f"mkdir -p {q_target} && mount --bind {q_source} {q_target}")
         if target in read_only:
             lines.append(f"mount -o remount,bind,ro {q_target}")
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(pod.env.items()))
@@ -253,6 +250,7 @@ class ClusterState:
     state_dir: str
     ray_token: str
     control_token: str
+    prefix: str = PREFIX
     pods: dict[str, Pod] = field(default_factory=dict)
 
     def save(self) -> None:
@@ -280,6 +278,8 @@ class LocalCluster:
         rollouts: rollout worker pods (the overlay's ``replicas``: 2).
         overlay: which overlay to render.
         warm_cache: seed each Ray pod's ``/cache/torch_extensions`` with this machine's.
+        prefix: names of the namespaces and links (two clusters need two prefixes).
+        subnet: the bridge's private /24 (two clusters need two subnets).
 
     Raises:
         ClusterError: not root, no iproute2/kubectl, or a pod did not come up (its log is
@@ -293,12 +293,15 @@ class LocalCluster:
         rollouts: int | None = None,
         overlay: str = "cpu-demo",
         warm_cache: bool = True,
+        prefix: str = PREFIX,
+        subnet: str = SUBNET,
     ) -> None:
         self.state_dir = Path(state_dir).resolve()
+        self.prefix = prefix
         self.learners, self.rollouts = learners, rollouts
         self.overlay = overlay
         self.warm_cache = warm_cache
-        self.network = Network(PREFIX, SUBNET, self.state_dir / "pods")
+        self.network = Network(prefix, subnet, self.state_dir / "pods")
         self.state: ClusterState | None = None
 
     # ---------------------------------------------------------------- up
@@ -309,7 +312,7 @@ class LocalCluster:
         why = netns_unavailable()
         if why:
             raise ClusterError(why)
-        remove_all(PREFIX)
+        remove_all(self.prefix)
         if self.state_dir.exists():
             shutil.rmtree(self.state_dir)
         (self.state_dir / "logs").mkdir(parents=True)
@@ -328,7 +331,7 @@ class LocalCluster:
         configmap = _one(objects, "ConfigMap", "stppo-configs")
         state = ClusterState(
             str(self.state_dir), secrets.token_hex(32),
-            secrets_["stppo-control-token"]["token"],
+            secrets_["stppo-control-token"]["token"], self.prefix,
         )  # fmt: skip
         self.state = state
         shared = self.state_dir / "shared"
@@ -337,8 +340,6 @@ class LocalCluster:
             folder.mkdir(parents=True)
         for name, text in configmap.get("data", {}).items():
             (configs / name).write_text(text)
-        for point in MOUNT_POINTS:
-            Path(point).mkdir(exist_ok=True)
 
         self.network.up()
         self._bridge_address()
@@ -537,12 +538,13 @@ class LocalCluster:
         if name in self.network.hosts:
             return self.network.hosts[name]
         pod = self._state().pods[name]
-        netns = f"{PREFIX}-{name}"
+        netns = f"{self.prefix}-{name}"
         return Host(name, netns, pod.ip, "", root=self.state_dir / "pods" / name)
 
     def _state(self) -> ClusterState:
         if self.state is None:
             self.state = ClusterState.load(self.state_dir)
+            self.prefix = self.state.prefix
         return self.state
 
     def start(self, name: str) -> subprocess.Popen | None:
@@ -694,10 +696,9 @@ class LocalCluster:
     def down(self, keep_logs: bool = True) -> list[str]:
         """Remove every namespace, veth, bridge and process this cluster made (works after
         a failed ``up`` and from another process); keeps ``logs/`` unless told not to."""
-        removed = remove_all(PREFIX)
-        for point in MOUNT_POINTS:
-            with contextlib.suppress(OSError):
-                Path(point).rmdir()
+        with contextlib.suppress(ClusterError, OSError, ValueError):
+            self._state()  # the prefix it was made with
+        removed = remove_all(self.prefix)
         if self.state_dir.exists():
             for child in self.state_dir.iterdir():
                 if keep_logs and child.name in ("logs", "cluster.json"):

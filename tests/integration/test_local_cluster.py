@@ -31,7 +31,7 @@ def cluster(tmp_path_factory):
     if why:
         pytest.skip(why)
     state_dir = Path(tmp_path_factory.mktemp("cluster"))
-    c = LocalCluster(state_dir)
+    c = LocalCluster(state_dir, prefix="stt", subnet="10.213.9.0/24")  # not the CLI's default
     try:
         c.up(timeout_s=420)
     except Exception:
