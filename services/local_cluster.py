@@ -193,6 +193,7 @@ class Pod:
     env: dict[str, str] = field(default_factory=dict)
     mounts: dict[str, str] = field(default_factory=dict)
     pids: list[int] = field(default_factory=list)
+    veth: str = ""  # the host side of its veth pair
 
 
 def _python_home_mounts(pod_root: Path) -> list[str]:
@@ -373,6 +374,8 @@ class LocalCluster:
         self._add_retrieval_pod(state, retrieval, secrets_, shared)
         self._add_monitoring_pod(state, ips)
         self._add_client_pod(state)
+        for name, pod in state.pods.items():
+            pod.veth = self.network.hosts[name].host_veth
         state.save()
 
         deadline = time.monotonic() + timeout_s
@@ -539,7 +542,7 @@ class LocalCluster:
             return self.network.hosts[name]
         pod = self._state().pods[name]
         netns = f"{self.prefix}-{name}"
-        return Host(name, netns, pod.ip, "", root=self.state_dir / "pods" / name)
+        return Host(name, netns, pod.ip, pod.veth, root=self.state_dir / "pods" / name)
 
     def _state(self) -> ClusterState:
         if self.state is None:
@@ -662,6 +665,25 @@ class LocalCluster:
         with contextlib.suppress(Exception):
             host.link(up=False)
 
+    def restart(self, name: str, down_s: float = 0.0) -> None:
+        """Pod ``name`` dies, stays away ``down_s`` seconds, and comes back at the same
+        address (what a Deployment's new pod behind a Service looks like to its clients:
+        the Service name resolves as before)."""
+        self.kill(name)
+        time.sleep(down_s)
+        self._host(name).link(up=True)
+        self.start(name)
+
+    def partition(self, name: str, seconds: float) -> None:
+        """Drop all of pod ``name``'s traffic for ``seconds`` (its processes keep running),
+        then restore it."""
+        host = self._host(name)
+        host.link(up=False)
+        try:
+            time.sleep(seconds)
+        finally:
+            host.link(up=True)
+
     def add_replacement(self, component: str) -> str:
         """A new pod of worker group ``component`` (``rollout``/``learner``), as a
         ReplicaSet replaces a lost one: new name, new IP; returns its name."""
@@ -687,6 +709,7 @@ class LocalCluster:
                 )
         env = dict(template.env) | {"MY_POD_IP": host.ip}
         state.pods[name] = Pod(name, component, host.ip, list(template.argv), env, mounts)
+        state.pods[name].veth = host.host_veth
         state.save()
         self.start(name)
         return name
