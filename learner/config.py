@@ -291,6 +291,13 @@ class LearnerConfig(StrictModel):
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
 
+    logprob_chunk_tokens: int = Field(512, ge=0, le=1_048_576)
+    """Tokens per chunk of the LM head when log-probs and entropy are computed from the
+    last hidden states (:mod:`learner.logprobs`): only policy tokens go through the head,
+    float32 logits exist for one chunk at a time (memory ~ 3 x chunk x vocab x 4 bytes) and
+    backward recomputes them. 0: the full-vocabulary logits of every response column (the
+    path ZeRO-3 and models with soft-capped or scaled logits always take)."""
+
     @model_validator(mode="after")
     def _check_batch_divisibility(self) -> LearnerConfig:
         if self.train_batch_size % self.mini_batch_size:
