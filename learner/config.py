@@ -285,6 +285,14 @@ class LearnerConfig(StrictModel):
     micro_batch_size: int = Field(2, ge=1, le=4096)
     """Trajectories per forward/backward (gradient accumulation up to a mini-batch)."""
 
+    micro_batch_tokens: int = Field(0, ge=0, le=16_777_216)
+    """Micro-batches by token budget instead of by count when > 0: each stage's rows (on
+    each rank) go longest first into micro-batches of at most this many padded token slots
+    (:func:`learner.batch.token_budget_micro_batches`; a longer row goes alone), so rows of
+    similar length share a forward and little padding is computed. The gradient is the
+    same (global denominators), up to float summation order. 0: ``micro_batch_size`` rows
+    per forward, in the mini-batch's shuffled order."""
+
     ppo_epochs: int = Field(1, ge=1, le=64)
     """Passes over the step's batch; each pass after the first is further off-policy."""
 

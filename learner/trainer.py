@@ -82,7 +82,7 @@ from actors.hardware import resolve_dtype
 from actors.trajectory import Trajectory
 from learner import advantages as adv_fns
 from learner import losses
-from learner.batch import TrainingBatch, collate_trajectories
+from learner.batch import TrainingBatch, collate_trajectories, token_budget_micro_batches
 from learner.config import (
     AlgorithmConfig,
     LearnerConfig,
@@ -560,22 +560,32 @@ class Learner:
         """This rank's micro-batches over ``rows`` of ``batch``: ``(rows, real)`` pairs.
 
         ``rows`` go to ranks by :func:`balanced_shards` (token counts = real tokens per
-        row), each shard is cut in ``micro_batch_size`` chunks, and a rank with fewer
-        chunks than the busiest rank gets padding chunks (``real = False``: ``rows[:1]``,
+        row), each shard is cut in micro-batches (:meth:`_micro_chunks`: by count or by
+        token budget), and a rank with fewer chunks than the busiest rank gets padding chunks (``real = False``: ``rows[:1]``,
         to be run with weight 0), so every rank runs the same number of forwards.
         """
         rows = [int(r) for r in rows]
-        size = self.config.micro_batch_size
         if self.world_size == 1:
-            return [
-                (chunk, True) for chunk in (rows[s : s + size] for s in range(0, len(rows), size))
-            ]
+            return [(chunk, True) for chunk in self._micro_chunks(batch, rows)]
         tokens = batch.attention_mask.sum(dim=1)
         shards = balanced_shards(rows, [int(tokens[r]) for r in rows], self.world_size)
-        count = max(math.ceil(len(shard) / size) for shard in shards)
-        mine = shards[self.rank]
-        plan = [(mine[s : s + size], True) for s in range(0, len(mine), size)]
+        chunks = [self._micro_chunks(batch, shard) for shard in shards]
+        count = max(len(c) for c in chunks)
+        plan = [(chunk, True) for chunk in chunks[self.rank]]
         return plan + [(rows[:1], False)] * (count - len(plan))
+
+    def _micro_chunks(self, batch: TrainingBatch, rows: list[int]) -> list[list[int]]:
+        """``rows`` cut into micro-batches: by token budget (``micro_batch_tokens > 0``),
+        else ``micro_batch_size`` at a time in order. Empty ``rows``: no micro-batch."""
+        if not rows:
+            return []
+        budget = self.config.micro_batch_tokens
+        if budget > 0:
+            return token_budget_micro_batches(
+                rows, batch.prompt_lengths, batch.response_lengths, budget
+            )
+        size = self.config.micro_batch_size
+        return [rows[s : s + size] for s in range(0, len(rows), size)]
 
     # ------------------------------------------------------------------ step
 
