@@ -4,14 +4,17 @@ One :class:`learner.trainer.Learner` (policy + critic + frozen reference under D
 SmolLM2-135M-Instruct (``--random-init``: same shapes, random weights); the same batch is
 trained on by each variant in turn (``set_algorithm``, as the control plane does live), and
 by the warm start's SFT step (``supervised_step``). Every (variant or SFT, code path) pair
-runs once per round, rounds repeated ``--repeats`` times after a warm-up round, so drift in
+runs once per round, rounds repeated ``--repeats`` times after one warm-up step, so drift in
 machine load (2 shared cores here) hits all of them alike; medians are reported.
 
 Code paths (``--paths``), switched on the same learner in the same process:
 
-- ``old``: full-vocabulary logits of every response column (``logprob_chunk_tokens = 0``);
-- ``new``: log-probs and entropy through the LM head in chunks, policy tokens only
-  (``logprob_chunk_tokens = 512``, :mod:`learner.logprobs`).
+- ``old``: full-vocabulary logits of every response column (``logprob_chunk_tokens = 0``),
+  ``--micro`` trajectories per micro-batch;
+- ``chunked``: log-probs and entropy through the LM head in chunks, policy tokens only
+  (``logprob_chunk_tokens = 512``, :mod:`learner.logprobs`), micro-batches as ``old``;
+- ``new``: ``chunked`` and micro-batches by a token budget of 1,024 padded slots
+  (``micro_batch_tokens``, :func:`learner.batch.token_budget_micro_batches`).
 
 Batches (``--lengths``): ``uniform`` is the old benchmark's (``--turns`` turns of
 ``--turn-tokens`` policy tokens between ``--info-tokens`` information tokens, all equal);
@@ -85,8 +88,9 @@ VARIANTS = {name: cls() for name, cls in VARIANT_CONFIGS.items()}
 VARIANTS["st_ppo/param"] = STPPOConfig(bias_norm="param")
 
 PATHS = {
-    "old": {"logprob_chunk_tokens": 0},
-    "new": {"logprob_chunk_tokens": 512},
+    "old": {"logprob_chunk_tokens": 0, "micro_batch_tokens": 0},
+    "chunked": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 0},
+    "new": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 1024},
 }
 """LearnerConfig overrides of each code path (see the module docstring)."""
 
@@ -297,6 +301,12 @@ def main() -> None:
     parser.add_argument("--paths", default="old,new", help=f"of {','.join(PATHS)}")
     parser.add_argument("--no-sft", action="store_true", help="skip the SFT step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-s",
+        type=float,
+        default=0.0,
+        help="start no round after this many seconds (0: no limit)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON")
     parser.add_argument(
         "--random-init",
@@ -355,7 +365,15 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
     peaks: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
     last: dict[tuple[str, str], dict] = {}
-    for round_index in range(args.repeats + 1):  # round 0: warm-up, not reported
+    learner.set_algorithm(VARIANTS["st_ppo"])
+    learner.step(trajectories)  # warm-up (allocator, first touch of the optimizer states)
+    print(f"  warm-up step done, RSS {_rss_gib():.2f} GiB", flush=True)
+    bench_start = time.perf_counter()
+    for round_index in range(1, args.repeats + 1):
+        if round_index > 1 and args.max_s > 0 and time.perf_counter() - bench_start > args.max_s:
+            print(f"  --max-s {args.max_s:.0f} reached: {round_index - 1} rounds", flush=True)
+            args.repeats = round_index - 1
+            break
         rates.append(
             matmul_rate(model_config.hidden_size, model_config.intermediate_size, dtype,
                         learner.device)
@@ -368,8 +386,6 @@ def main() -> None:
                     f"{peak:.2f} GiB, matmul {rates[-1] / 1e12:.2f} TFLOP/s",
                     flush=True,
                 )
-                if round_index == 0:
-                    continue
                 times[(name, path)].append(step_s)
                 peaks[(name, path)].append(peak)
                 last[(name, path)] = metrics
