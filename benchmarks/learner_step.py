@@ -1,28 +1,60 @@
-"""Learner step time, tokens/s and peak memory for every ST-PPO variant, side by side.
+"""Learner step time, tokens/s, model FLOPs and share of the matmul bound, old and new paths.
 
 One :class:`learner.trainer.Learner` (policy + critic + frozen reference under DeepSpeed) on
-the real SmolLM2-135M-Instruct; the same synthetic batch of multi-turn trajectories is
-trained on by each variant in turn (``set_algorithm``, as the control plane does live). The
-variants are interleaved round-robin over the repeats, so drift in machine load (2 shared
-cores here) hits all of them alike; the median step time per variant is reported.
+SmolLM2-135M-Instruct (``--random-init``: same shapes, random weights); the same batch is
+trained on by each variant in turn (``set_algorithm``, as the control plane does live), and
+by the warm start's SFT step (``supervised_step``). Every (variant or SFT, code path) pair
+runs once per round, rounds repeated ``--repeats`` times after one warm-up step, so drift in
+machine load (2 shared cores here) hits all of them alike; medians are reported.
 
-The batch is shaped like a search-agent rollout: the real chat prompt of a QA question,
-then ``--turns`` policy turns separated by information blocks. Behaviour log-probs are the
-reference model's log-probs plus Gaussian noise (``--logprob-noise``), so ratios and
-clipping look like a moderately off-policy batch.
+Code paths (``--paths``), switched on the same learner in the same process:
 
-Targets (issue 6): st_ppo <= 1.05x ppo step time with ``bias_norm = logprob``; the cost of
-``bias_norm = param``; peak RSS of a full step with policy + critic + reference <= 12 GB.
+- ``old``: full-vocabulary logits of every response column (``logprob_chunk_tokens = 0``),
+  ``--micro`` trajectories per micro-batch;
+- ``chunked``: log-probs and entropy through the LM head in chunks, policy tokens only
+  (``logprob_chunk_tokens = 512``, :mod:`learner.logprobs`), micro-batches as ``old``;
+- ``new``: ``chunked`` and micro-batches by a token budget of 1,024 padded slots
+  (``micro_batch_tokens``, :func:`learner.batch.token_budget_micro_batches`).
+
+Batches (``--lengths``): ``uniform`` is the old benchmark's (``--turns`` turns of
+``--turn-tokens`` policy tokens between ``--info-tokens`` information tokens, all equal);
+``spread`` draws each trajectory's shape like the main job's rollouts (``cpu_demo.toml``:
+1-3 turns of at most 64 policy tokens, information blocks of 3 passages, 8 trajectories of
+about 6,100 tokens in the issue-31 profile), so micro-batches carry padding as in the job.
+Behaviour log-probs are the reference model's plus Gaussian noise (``--logprob-noise``).
+
+Model FLOPs (linear layers only, as the issue defines them; attention scores and
+elementwise work are not counted). Per token of a forward, from the model config::
+
+    backbone = 2 * layers * (H*q + 2*H*kv + q*H + 3*H*I)   q = heads*head_dim,
+                                                            kv = kv_heads*head_dim
+    head     = 2 * H * V                                    (LM head, per policy token)
+
+With N real tokens (prompt + response, no padding) and N_pol policy tokens, a policy or
+reference forward is ``F_pol = backbone*N + head*N_pol`` (the objective needs log-probs of
+policy tokens only), a critic forward ``F_crit = backbone*N``, and a backward twice its
+forward. One RL step is::
+
+    F_pol (reference) + [critic] F_crit (old values) + [decoupled] F_pol (proximal)
+    + epochs * (3 F_pol + [critic] 3 F_crit + [scale_target = loss] F_pol + [param] 3 F_pol)
+
+and one SFT step ``3 F_pol``. The matmul bound is FLOPs / R, where R is the rate of a
+[4096 x H] x [H x I] matmul in the learner's dtype with the learner's threads, measured in
+this process once per round (the best round is R); share = bound / step seconds.
+
+Peak memory per step: the resident-set high-water mark of this process, reset before each
+step (``/proc/self/clear_refs`` after ``malloc_trim``), in GiB.
 
 Run (shared machine: take the heavy lock)::
 
-    flock .cache/heavy.lock .venv/bin/python benchmarks/learner_step.py --repeats 3 \\
-        --out runs/benchmarks/learner.json
+    flock .cache/heavy.lock .venv/bin/python benchmarks/learner_step.py --lengths spread \\
+        --batch 8 --variants st_ppo,so_grpo --repeats 2 --out runs/benchmarks/learner.json
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import resource
 import statistics
@@ -42,12 +74,25 @@ import torch  # noqa: E402
 from actors.prompts import prompt_ids  # noqa: E402
 from actors.trajectory import Trajectory  # noqa: E402
 from learner.batch import collate_trajectories  # noqa: E402
-from learner.config import VARIANT_CONFIGS, LearnerConfig, STPPOConfig  # noqa: E402
+from learner.config import (  # noqa: E402
+    VARIANT_CONFIGS,
+    LearnerConfig,
+    STPPOConfig,
+    uses_bias_correction,
+    uses_critic,
+)
 from learner.modeling import response_logits, token_logprobs  # noqa: E402
 from learner.trainer import Learner  # noqa: E402
 
 VARIANTS = {name: cls() for name, cls in VARIANT_CONFIGS.items()}
 VARIANTS["st_ppo/param"] = STPPOConfig(bias_norm="param")
+
+PATHS = {
+    "old": {"logprob_chunk_tokens": 0, "micro_batch_tokens": 0},
+    "chunked": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 0},
+    "new": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 1024},
+}
+"""LearnerConfig overrides of each code path (see the module docstring)."""
 
 
 def _rss_gib() -> float:
@@ -59,6 +104,27 @@ def _rss_gib() -> float:
 
 def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _reset_peak_rss() -> bool:
+    """Give freed heap back to the OS and reset the RSS high-water mark (VmHWM); False where
+    the kernel does not allow it (then per-step peaks are process peaks)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _hwm_gib() -> float:
+    """The RSS high-water mark since the last reset, GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
 
 
 def _random_init_copy(model_dir: Path, seed: int) -> Path:
@@ -79,9 +145,81 @@ def _peak_gpu_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def flops_per_token(model_config) -> tuple[float, float]:
+    """(backbone, LM head) linear-layer FLOPs of one token's forward (module docstring)."""
+    hidden = int(model_config.hidden_size)
+    heads = int(model_config.num_attention_heads)
+    head_dim = int(getattr(model_config, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    per_layer = (
+        hidden * q + 2 * hidden * kv + q * hidden + 3 * hidden * model_config.intermediate_size
+    )
+    backbone = 2.0 * model_config.num_hidden_layers * per_layer
+    return backbone, 2.0 * hidden * model_config.vocab_size
+
+
+def step_flops(algorithm, model_config, num_tokens: int, num_policy: int, epochs: int) -> float:
+    """Model FLOPs of one RL step of ``algorithm`` (``None``: one SFT step)."""
+    backbone, head = flops_per_token(model_config)
+    policy = backbone * num_tokens + head * num_policy
+    critic = backbone * num_tokens
+    if algorithm is None:
+        return 3.0 * policy
+    gae = uses_critic(algorithm)
+    total = policy + (critic if gae else 0.0)
+    total += policy if algorithm.off_policy == "decoupled" else 0.0
+    per_epoch = 3.0 * policy + (3.0 * critic if gae else 0.0)
+    if uses_bias_correction(algorithm):
+        if algorithm.bias_norm == "param":
+            per_epoch += 3.0 * policy
+        elif algorithm.scale_target == "loss":
+            per_epoch += policy
+    return total + epochs * per_epoch
+
+
+def matmul_rate(hidden: int, intermediate: int, dtype: torch.dtype, device) -> float:
+    """FLOP/s of a [4096 x hidden] x [hidden x intermediate] matmul (best of 20 after 3)."""
+    a = torch.randn(4096, hidden, device=device).to(dtype)
+    b = torch.randn(hidden, intermediate, device=device).to(dtype)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(20):
+        _sync()
+        t0 = time.perf_counter()
+        a @ b
+        _sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * 4096 * hidden * intermediate / best
+
+
+def _turn_shapes(args: argparse.Namespace, rng: np.random.Generator) -> list[tuple[list, list]]:
+    """Per trajectory: (policy tokens per turn, information tokens after each non-last turn)."""
+    if args.lengths == "uniform":
+        return [
+            ([args.turn_tokens] * args.turns, [args.info_tokens] * (args.turns - 1))
+            for _ in range(args.batch)
+        ]
+    shapes = []
+    for _ in range(args.batch):
+        # main job: max_turns 3, max_new_tokens_per_turn 64 (a turn often hits the cap),
+        # 3 passages of ~33 words per information block
+        turns = int(rng.choice([1, 2, 3], p=[0.2, 0.35, 0.45]))
+        policy = [int(min(64, rng.integers(12, 90))) for _ in range(turns)]
+        info = [int(rng.integers(180, 380)) for _ in range(turns - 1)]
+        shapes.append((policy, info))
+    return shapes
+
+
 def synthetic_batch(learner: Learner, args: argparse.Namespace) -> list[Trajectory]:
-    """``--batch`` trajectories in groups of 2: chat prompt, then ``--turns`` policy turns of
-    ``--turn-tokens`` tokens separated by ``--info-tokens`` information tokens."""
+    """``--batch`` trajectories in groups of 2: the chat prompt, then policy turns separated
+    by information tokens, shaped by ``--lengths`` (:func:`_turn_shapes`)."""
     rng = np.random.default_rng(args.seed)
     vocab = len(learner.tokenizer)
     record = {
@@ -92,16 +230,16 @@ def synthetic_batch(learner: Learner, args: argparse.Namespace) -> list[Trajecto
     }
     prompt = prompt_ids(learner.tokenizer, record)
     out = []
-    for i in range(args.batch):
+    for i, (policy, info) in enumerate(_turn_shapes(args, rng)):
         response, mask, turns = [], [], []
-        for turn in range(args.turns):
-            response += rng.integers(100, vocab, args.turn_tokens).tolist()
-            mask += [1] * args.turn_tokens
-            turns += [turn] * args.turn_tokens
-            if turn < args.turns - 1:
-                response += rng.integers(100, vocab, args.info_tokens).tolist()
-                mask += [0] * args.info_tokens
-                turns += [-1] * args.info_tokens
+        for turn, length in enumerate(policy):
+            response += rng.integers(100, vocab, length).tolist()
+            mask += [1] * length
+            turns += [turn] * length
+            if turn < len(info):
+                response += rng.integers(100, vocab, info[turn]).tolist()
+                mask += [0] * info[turn]
+                turns += [-1] * info[turn]
         out.append(
             Trajectory(
                 prompt_ids=np.asarray(prompt, dtype=np.int64),
@@ -111,8 +249,8 @@ def synthetic_batch(learner: Learner, args: argparse.Namespace) -> list[Trajecto
                 behavior_logprobs=np.zeros(len(response), dtype=np.float32),
                 reward=float(i % 2),
                 success=bool(i % 2),
-                num_searches=args.turns - 1,
-                num_turns=args.turns,
+                num_searches=len(policy) - 1,
+                num_turns=len(policy),
                 policy_version_min=0,
                 policy_version_max=0,
                 group_id=f"g{i // 2}",
@@ -134,20 +272,41 @@ def synthetic_batch(learner: Learner, args: argparse.Namespace) -> list[Trajecto
     return [t.validate() for t in out]
 
 
+def padded_tokens(trajectories: list[Trajectory], micro: int) -> int:
+    """Tokens the padded micro-batches of ``micro`` trajectories (in order) hold."""
+    total = 0
+    for s in range(0, len(trajectories), micro):
+        chunk = trajectories[s : s + micro]
+        width = max(len(t.prompt_ids) for t in chunk) + max(t.num_response_tokens for t in chunk)
+        total += width * len(chunk)
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="data/model/smollm2-135m-instruct")
-    parser.add_argument("--batch", type=int, default=4, help="trajectories per step")
+    parser.add_argument("--batch", type=int, default=8, help="trajectories per step")
+    parser.add_argument("--mini", type=int, default=4, help="mini-batch size (optimizer step)")
     parser.add_argument("--micro", type=int, default=2, help="micro-batch size")
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--turn-tokens", type=int, default=64)
-    parser.add_argument("--info-tokens", type=int, default=128)
+    parser.add_argument("--lengths", default="spread", choices=["spread", "uniform"])
+    parser.add_argument("--turns", type=int, default=3, help="uniform: turns per trajectory")
+    parser.add_argument("--turn-tokens", type=int, default=64, help="uniform: tokens per turn")
+    parser.add_argument("--info-tokens", type=int, default=128, help="uniform: info tokens")
     parser.add_argument("--logprob-noise", type=float, default=0.3)
-    parser.add_argument("--repeats", type=int, default=3, help="measured steps per variant")
+    parser.add_argument("--repeats", type=int, default=2, help="measured rounds")
     parser.add_argument("--zero-stage", type=int, default=2)
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--variants", default="st_ppo,so_grpo", help=f"of {','.join(VARIANTS)}")
+    parser.add_argument("--paths", default="old,new", help=f"of {','.join(PATHS)}")
+    parser.add_argument("--no-sft", action="store_true", help="skip the SFT step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-s",
+        type=float,
+        default=0.0,
+        help="start no round after this many seconds (0: no limit)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON")
     parser.add_argument(
         "--random-init",
@@ -156,6 +315,8 @@ def main() -> None:
         "for a machine the 270 MB weights cannot reach)",
     )
     args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     if args.random_init:
         args.model = str(_random_init_copy(Path(args.model), args.seed))
 
@@ -163,7 +324,7 @@ def main() -> None:
         zero_stage=args.zero_stage,
         dtype=args.dtype,
         train_batch_size=args.batch,
-        mini_batch_size=args.batch,
+        mini_batch_size=args.mini,
         micro_batch_size=args.micro,
         actor_lr=1e-6,
         critic_lr=1e-5,
@@ -175,52 +336,105 @@ def main() -> None:
     rss_after_init = _rss_gib()
     trajectories = synthetic_batch(learner, args)
     num_tokens = sum(len(t.prompt_ids) + t.num_response_tokens for t in trajectories)
-    names = args.variants.split(",")
+    num_policy = sum(t.num_policy_tokens for t in trajectories)
+    model_config = learner.policy_engine.module.config
+    dtype = learner.dtype_choice.torch_dtype
+    names = [n for n in args.variants.split(",") if n] + ([] if args.no_sft else ["sft"])
+    paths = args.paths.split(",")
+    base = learner.config
+    print(
+        f"init {init_s:.1f} s, RSS {rss_after_init:.2f} GiB; dtype {learner.dtype_choice.name}, "
+        f"threads {torch.get_num_threads()}; {len(trajectories)} trajectories, {num_tokens} "
+        f"tokens ({num_policy} policy; {padded_tokens(trajectories, args.micro)} in padded "
+        f"micro-batches of {args.micro})",
+        flush=True,
+    )
 
-    learner.set_algorithm(VARIANTS["ppo"])
-    print(f"init {init_s:.1f} s, RSS {rss_after_init:.2f} GiB; {num_tokens} tokens", flush=True)
-    learner.step(trajectories)  # warm-up (allocator, first-touch of optimizer states)
-    print(f"  warm-up done, RSS {_rss_gib():.2f} GiB (peak {_peak_rss_gib():.2f})", flush=True)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    last: dict[str, dict] = {}
-    for _ in range(args.repeats):
-        for name in names:
+    def run(name: str, path: str) -> tuple[float, float, dict]:
+        learner.config = base.model_copy(update=PATHS[path])
+        reset = _reset_peak_rss()
+        if name == "sft":
+            metrics = learner.supervised_step(trajectories)
+        else:
             learner.set_algorithm(VARIANTS[name])
             metrics = learner.step(trajectories)
-            print(
-                f"  {name}: {metrics.step_s:.2f} s, RSS {_rss_gib():.2f} GiB "
-                f"(peak {_peak_rss_gib():.2f})",
-                flush=True,
-            )
-            times[name].append(metrics.step_s)
-            last[name] = metrics.to_dict()
+        peak = _hwm_gib() if reset else _peak_rss_gib()
+        return metrics.step_s, peak, dataclass_dict(metrics)
 
-    ppo_s = statistics.median(times["ppo"]) if "ppo" in times else float("nan")
+    rates: list[float] = []
+    times: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
+    peaks: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
+    last: dict[tuple[str, str], dict] = {}
+    learner.set_algorithm(VARIANTS["st_ppo"])
+    learner.step(trajectories)  # warm-up (allocator, first touch of the optimizer states)
+    print(f"  warm-up step done, RSS {_rss_gib():.2f} GiB", flush=True)
+    bench_start = time.perf_counter()
+    for round_index in range(1, args.repeats + 1):
+        if round_index > 1 and args.max_s > 0 and time.perf_counter() - bench_start > args.max_s:
+            print(f"  --max-s {args.max_s:.0f} reached: {round_index - 1} rounds", flush=True)
+            args.repeats = round_index - 1
+            break
+        rates.append(
+            matmul_rate(model_config.hidden_size, model_config.intermediate_size, dtype,
+                        learner.device)
+        )  # fmt: skip
+        for name in names:
+            for path in paths:
+                step_s, peak, metrics = run(name, path)
+                print(
+                    f"  round {round_index} {name} [{path}]: {step_s:.2f} s, peak RSS "
+                    f"{peak:.2f} GiB, matmul {rates[-1] / 1e12:.2f} TFLOP/s",
+                    flush=True,
+                )
+                times[(name, path)].append(step_s)
+                peaks[(name, path)].append(peak)
+                last[(name, path)] = metrics
+
+    rate = max(rates)
     rows = []
     for name in names:
-        median_s = statistics.median(times[name])
-        rows.append(
-            {
-                "variant": name,
-                "step_s_median": median_s,
-                "step_s_all": times[name],
-                "tokens_per_s": num_tokens / median_s,
-                "vs_ppo": median_s / ppo_s,
-                "clip_ratio": last[name]["clip_ratio"],
-                "clip_bias_norm": last[name]["clip_bias_norm"],
-                "clip_bias_scale": last[name]["clip_bias_scale"],
-            }
-        )
+        algorithm = None if name == "sft" else VARIANTS[name]
+        flops = step_flops(algorithm, model_config, num_tokens, num_policy, config.ppo_epochs)
+        old_s = statistics.median(times[(name, paths[0])])
+        for path in paths:
+            median_s = statistics.median(times[(name, path)])
+            metrics = last[(name, path)]
+            rows.append(
+                {
+                    "step": name,
+                    "path": path,
+                    "step_s_median": median_s,
+                    "step_s_all": times[(name, path)],
+                    "tokens_per_s": num_tokens
+                    * (1 if algorithm is None else config.ppo_epochs)
+                    / median_s,
+                    "model_tflop": flops / 1e12,
+                    "bound_s": flops / rate,
+                    "share_of_bound": flops / rate / median_s,
+                    "speedup_vs_first_path": old_s / median_s,
+                    "peak_rss_gib": max(peaks[(name, path)]),
+                    "loss": metrics.get("loss", metrics.get("pg_loss")),
+                    "entropy": metrics.get("entropy"),
+                }
+            )
     result = {
         "model": args.model,
         "config": config.model_dump(),
+        "dtype": learner.dtype_choice.name,
         "batch": {
-            "trajectories": args.batch,
+            "lengths": args.lengths,
+            "trajectories": len(trajectories),
             "tokens": num_tokens,
-            "policy_tokens": sum(t.num_policy_tokens for t in trajectories),
-            "turns": args.turns,
+            "policy_tokens": num_policy,
+            "padded_tokens": padded_tokens(trajectories, args.micro),
+            "per_trajectory": [len(t.prompt_ids) + t.num_response_tokens for t in trajectories],
         },
         "threads": torch.get_num_threads(),
+        "matmul": {
+            "shape": [4096, model_config.hidden_size, model_config.intermediate_size],
+            "tflops_per_round": [r / 1e12 for r in rates],
+            "tflops": rate / 1e12,
+        },
         "init_s": init_s,
         "rss_start_gib": rss_start,
         "rss_after_init_gib": rss_after_init,
@@ -231,25 +445,34 @@ def main() -> None:
         "rows": rows,
     }
     print(
-        f"init {init_s:.1f} s; batch {args.batch} trajectories, {num_tokens} tokens; "
-        f"threads {torch.get_num_threads()}; peak RSS {result['peak_rss_gib']:.2f} GiB "
-        f"(after init {rss_after_init:.2f} GiB); device {result['device']}, peak GPU "
-        f"allocated {result['peak_gpu_allocated_gib']:.2f} GiB"
+        f"init {init_s:.1f} s; {len(trajectories)} trajectories ({args.lengths}), {num_tokens} "
+        f"tokens, {num_policy} policy; dtype {result['dtype']}, threads "
+        f"{torch.get_num_threads()}; matmul [4096 x {model_config.hidden_size}] x "
+        f"[{model_config.hidden_size} x {model_config.intermediate_size}] "
+        f"{rate / 1e12:.2f} TFLOP/s (rounds: "
+        f"{', '.join(f'{r / 1e12:.2f}' for r in rates)}); device {result['device']}"
     )
     print(
-        f"| variant | step s (median of {args.repeats}) | tokens/s | x ppo | clip_ratio | "
-        "clip_bias_norm | clip_bias_scale |"
+        f"| step | path | step s (median of {args.repeats}) | tokens/s | model TFLOP | "
+        f"bound s | share of bound | x {paths[0]} | peak RSS GiB |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['variant']} | {r['step_s_median']:.2f} | {r['tokens_per_s']:.0f} | "
-            f"{r['vs_ppo']:.3f} | {r['clip_ratio']:.3f} | {r['clip_bias_norm']:.4f} | "
-            f"{r['clip_bias_scale']:.3f} |"
+            f"| {r['step']} | {r['path']} | {r['step_s_median']:.2f} | {r['tokens_per_s']:.0f} "
+            f"| {r['model_tflop']:.2f} | {r['bound_s']:.2f} | {r['share_of_bound']:.3f} | "
+            f"{r['speedup_vs_first_path']:.2f} | {r['peak_rss_gib']:.2f} |"
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
+
+
+def dataclass_dict(metrics) -> dict:
+    """A step's metrics as a plain dict (StepMetrics and SupervisedStepMetrics)."""
+    import dataclasses
+
+    return dataclasses.asdict(metrics)
 
 
 if __name__ == "__main__":

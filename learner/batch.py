@@ -231,3 +231,54 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) 
         group_ids=torch.tensor(_group_indices([t.group_id for t in trajectories])),
         policy_version_min=torch.tensor([int(t.policy_version_min) for t in trajectories]),
     )
+
+
+def token_budget_micro_batches(
+    rows: Sequence[int],
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    budget: int,
+) -> list[list[int]]:
+    """Cut ``rows`` into micro-batches whose padded size stays within ``budget`` tokens.
+
+    A micro-batch of rows R, collated by :meth:`TrainingBatch.select`, holds
+    ``len(R) * (max prompt + max response)`` token slots, padding included. Rows go
+    longest first (ties: earlier row first) into the current micro-batch while its padded
+    size stays within ``budget``, else they start a new one; a row longer than ``budget``
+    is a micro-batch of its own. Rows of similar length end up together, so little padding
+    is computed, and a lone row has none (its attention is plain causal). Deterministic.
+
+    Args:
+        rows: row indices of a batch.
+        prompt_lengths, response_lengths: real prompt / response tokens of each row of that
+            batch (indexed by row index, e.g. ``TrainingBatch.prompt_lengths``).
+        budget: token slots per micro-batch (>= 1).
+
+    Returns:
+        Micro-batches of row indices; together they hold every row once.
+
+    Raises:
+        ValueError: ``budget < 1``.
+
+    Example: rows of 10 + 90, 10 + 80 and 10 + 20 tokens, budget 200: [[0, 1], [2]]
+    (2 * (10 + 90) = 200 fits; adding row 2 would make 3 * 100 = 300).
+    """
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    position = {row: i for i, row in enumerate(rows)}
+    order = sorted(
+        rows, key=lambda r: (-(int(prompt_lengths[r]) + int(response_lengths[r])), position[r])
+    )
+    groups: list[list[int]] = []
+    max_prompt = max_response = 0
+    for row in order:
+        prompt, response = int(prompt_lengths[row]), int(response_lengths[row])
+        if groups:
+            width = max(max_prompt, prompt) + max(max_response, response)
+            if (len(groups[-1]) + 1) * width <= budget:
+                groups[-1].append(row)
+                max_prompt, max_response = max(max_prompt, prompt), max(max_response, response)
+                continue
+        groups.append([row])
+        max_prompt, max_response = prompt, response
+    return groups

@@ -285,11 +285,26 @@ class LearnerConfig(StrictModel):
     micro_batch_size: int = Field(2, ge=1, le=4096)
     """Trajectories per forward/backward (gradient accumulation up to a mini-batch)."""
 
+    micro_batch_tokens: int = Field(0, ge=0, le=16_777_216)
+    """Micro-batches by token budget instead of by count when > 0: each stage's rows (on
+    each rank) go longest first into micro-batches of at most this many padded token slots
+    (:func:`learner.batch.token_budget_micro_batches`; a longer row goes alone), so rows of
+    similar length share a forward and little padding is computed. The gradient is the
+    same (global denominators), up to float summation order. 0: ``micro_batch_size`` rows
+    per forward, in the mini-batch's shuffled order."""
+
     ppo_epochs: int = Field(1, ge=1, le=64)
     """Passes over the step's batch; each pass after the first is further off-policy."""
 
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+
+    logprob_chunk_tokens: int = Field(512, ge=0, le=1_048_576)
+    """Tokens per chunk of the LM head when log-probs and entropy are computed from the
+    last hidden states (:mod:`learner.logprobs`): only policy tokens go through the head,
+    float32 logits exist for one chunk at a time (memory ~ 3 x chunk x vocab x 4 bytes) and
+    backward recomputes them. 0: the full-vocabulary logits of every response column (the
+    path ZeRO-3 and models with soft-capped or scaled logits always take)."""
 
     @model_validator(mode="after")
     def _check_batch_divisibility(self) -> LearnerConfig:

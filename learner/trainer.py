@@ -82,7 +82,7 @@ from actors.hardware import resolve_dtype
 from actors.trajectory import Trajectory, TurnSummary, per_turn_summary
 from learner import advantages as adv_fns
 from learner import losses
-from learner.batch import TrainingBatch, collate_trajectories
+from learner.batch import TrainingBatch, collate_trajectories, token_budget_micro_batches
 from learner.config import (
     AlgorithmConfig,
     LearnerConfig,
@@ -92,6 +92,7 @@ from learner.config import (
     uses_turn_ratio,
 )
 from learner.distributed import balanced_shards, init_single_process_distributed
+from learner.logprobs import TokenStats, lm_head_of, masked_token_stats
 from learner.modeling import ValueModel, response_logits, token_logprobs
 from learner.sft import WarmStartReport, print_progress, run_warm_start
 
@@ -581,22 +582,32 @@ class Learner:
         """This rank's micro-batches over ``rows`` of ``batch``: ``(rows, real)`` pairs.
 
         ``rows`` go to ranks by :func:`balanced_shards` (token counts = real tokens per
-        row), each shard is cut in ``micro_batch_size`` chunks, and a rank with fewer
-        chunks than the busiest rank gets padding chunks (``real = False``: ``rows[:1]``,
+        row), each shard is cut in micro-batches (:meth:`_micro_chunks`: by count or by
+        token budget), and a rank with fewer chunks than the busiest rank gets padding chunks (``real = False``: ``rows[:1]``,
         to be run with weight 0), so every rank runs the same number of forwards.
         """
         rows = [int(r) for r in rows]
-        size = self.config.micro_batch_size
         if self.world_size == 1:
-            return [
-                (chunk, True) for chunk in (rows[s : s + size] for s in range(0, len(rows), size))
-            ]
+            return [(chunk, True) for chunk in self._micro_chunks(batch, rows)]
         tokens = batch.attention_mask.sum(dim=1)
         shards = balanced_shards(rows, [int(tokens[r]) for r in rows], self.world_size)
-        count = max(math.ceil(len(shard) / size) for shard in shards)
-        mine = shards[self.rank]
-        plan = [(mine[s : s + size], True) for s in range(0, len(mine), size)]
+        chunks = [self._micro_chunks(batch, shard) for shard in shards]
+        count = max(len(c) for c in chunks)
+        plan = [(chunk, True) for chunk in chunks[self.rank]]
         return plan + [(rows[:1], False)] * (count - len(plan))
+
+    def _micro_chunks(self, batch: TrainingBatch, rows: list[int]) -> list[list[int]]:
+        """``rows`` cut into micro-batches: by token budget (``micro_batch_tokens > 0``),
+        else ``micro_batch_size`` at a time in order. Empty ``rows``: no micro-batch."""
+        if not rows:
+            return []
+        budget = self.config.micro_batch_tokens
+        if budget > 0:
+            return token_budget_micro_batches(
+                rows, batch.prompt_lengths, batch.response_lengths, budget
+            )
+        size = self.config.micro_batch_size
+        return [rows[s : s + size] for s in range(0, len(rows), size)]
 
     # ------------------------------------------------------------------ step
 
@@ -715,8 +726,45 @@ class Learner:
         acc.gap_count += _scalar(mask.sum())
 
     def _logprobs(self, engine: Any, micro: TrainingBatch) -> Tensor:
+        """float32 [b, T] log-probs of ``micro``'s response tokens under ``engine``, 0 off
+        the policy tokens."""
+        return self._token_stats(engine, micro).logprobs * micro.loss_mask
+
+    def _token_stats(
+        self,
+        engine: Any,
+        micro: TrainingBatch,
+        *,
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
+    ) -> TokenStats:
+        """Per-token log-probs (and entropy) of ``micro``'s response under ``engine``.
+
+        Chunked through the LM head on the policy tokens only (:mod:`learner.logprobs`;
+        values off ``loss_mask`` are 0) when ``config.logprob_chunk_tokens > 0`` and the
+        model allows it (:func:`learner.logprobs.lm_head_of`), else the full-vocabulary
+        logits (values everywhere; the entropy differentiable only with ``entropy_grad``).
+        Both are differentiable in the policy where grad is enabled.
+        """
+        chunk = self.config.logprob_chunk_tokens
+        head = lm_head_of(engine) if chunk > 0 else None
+        if head is not None:
+            return masked_token_stats(
+                engine,
+                micro,
+                micro.loss_mask,
+                head,
+                temperature=self.temperature,
+                chunk_tokens=chunk,
+                with_entropy=with_entropy,
+            )
         logits = response_logits(engine, micro, self.temperature)
-        return token_logprobs(logits, micro.response_ids) * micro.loss_mask
+        logprobs = token_logprobs(logits, micro.response_ids)
+        entropy = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad):
+                entropy = losses.entropy_from_logits(logits)
+        return TokenStats(logprobs, entropy)
 
     def _values(self, micro: TrainingBatch) -> Tensor:
         return self.critic_engine(
@@ -880,11 +928,14 @@ class Learner:
         ``weight * loss`` (the world size, or 0 for a padding micro-batch); the metrics
         describe the unweighted loss.
         """
-        logits = response_logits(self.policy_engine, micro, self.temperature)
-        logprobs = token_logprobs(logits, micro.response_ids)
-        with torch.set_grad_enabled(algorithm.entropy_coef > 0.0):
-            entropy = losses.entropy_from_logits(logits)
-        del logits
+        stats = self._token_stats(
+            self.policy_engine,
+            micro,
+            with_entropy=True,
+            entropy_grad=algorithm.entropy_coef > 0.0,
+        )
+        logprobs, entropy = stats.logprobs, stats.entropy
+        del stats
         mask = micro.loss_mask
         if on_policy and algorithm.off_policy == "behavior":
             self._record_logprob_gap(micro, logprobs.detach(), acc)
@@ -1141,9 +1192,7 @@ class Learner:
         total, finite = 0.0, True
         for rows, real in self._micro_plan(batch, range(batch.batch_size)):
             micro = batch.select(rows).to(self.device)
-            logits = response_logits(self.policy_engine, micro, self.temperature)
-            logprobs = token_logprobs(logits, micro.response_ids)
-            del logits
+            logprobs = self._token_stats(self.policy_engine, micro).logprobs
             loss = -(logprobs * micro.loss_mask).sum() / denominator
             weight = float(self.world_size) if real else 0.0
             self._backward(self.policy_engine, loss * weight if weight != 1.0 else loss, logprobs)

@@ -128,3 +128,23 @@ def test_turn_advantages_follow_the_input_order_and_skip_the_excluded() -> None:
     assert out[1] is None
     # b: one turn over its 3 tokens, the padding column left out: mean(0.5, 1.5, -2) = 0
     assert [(s.mean, s.min, s.max) for s in out[2]] == [(0.0, -2.0, 1.5)]
+
+
+def test_token_budget_micro_batches_longest_first_within_budget():
+    from learner.batch import token_budget_micro_batches
+
+    prompts = [10, 10, 10, 30, 5]
+    responses = [90, 20, 80, 300, 10]  # totals 100, 30, 90, 330, 15
+    # longest first: 3 (330 > 200: alone), 0 (100), 2 (90: 2 * (10 + 90) = 200 fits),
+    # 1 (3 * 100 = 300 > 200: new), 4 (2 * (10 + 20) = 60 fits)
+    assert token_budget_micro_batches(range(5), prompts, responses, 200) == [
+        [3], [0, 2], [1, 4]
+    ]  # fmt: skip
+    # width is max prompt + max response: rows 0 (10 + 90) and 4 (5 + 10) pad to 100 each
+    assert token_budget_micro_batches([4, 0], prompts, responses, 199) == [[0], [4]]
+    assert token_budget_micro_batches([4, 0], prompts, responses, 200) == [[0, 4]]
+    # ties keep the given order; every row exactly once
+    groups = token_budget_micro_batches([2, 1, 0], [1, 1, 1], [4, 4, 4], 10)
+    assert groups == [[2, 1], [0]]
+    with pytest.raises(ValueError, match="budget"):
+        token_budget_micro_batches([0], prompts, responses, 0)
