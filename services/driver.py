@@ -427,15 +427,16 @@ class Driver:
         collective group (if it is a member) is aborted so no survivor waits for it, and a
         weight load is queued on it, which runs first when it restarts (its success brings
         the slot back, :meth:`_on_sync_ack`)."""
-        if slot.lost:
-            return
+        weight_sync = getattr(self, "weight_sync", None)
+        if weight_sync is not None:
+            weight_sync.on_member_lost(slot.handle, reason)
+        if slot.lost or self._sync is None:
+            return  # before the first sync there is nothing to re-send: that sync reaches it
         slot.lost = True
-        self.weight_sync.on_member_lost(slot.handle, reason)
-        if self._sync is not None:
-            acks = self.weight_sync.push_to(self._sync, [slot.handle])
-            self._track_acks(acks)
-            self._revival_acks.update({ack: slot for ack in acks})
-            slot.engine_version = self._sync.policy_version
+        acks = weight_sync.push_to(self._sync, [slot.handle])
+        self._track_acks(acks)
+        self._revival_acks.update({ack: slot for ack in acks})
+        slot.engine_version = self._sync.policy_version
 
     # ------------------------------------------------------------------ warm start / eval
 

@@ -225,7 +225,9 @@ def pod_command(host: Host, pod: Pod, uid: int | None, read_only: tuple[str, ...
     ``uid`` with exactly ``pod.env``."""
     lines = []
     lines += _python_home_mounts(host.root)
-    for target, source in pod.mounts.items():
+    # /tmp last: the other mounts' sources may live under the machine's /tmp (a test's
+    # temporary directory), which the pod's own /tmp covers
+    for target, source in sorted(pod.mounts.items(), key=lambda m: m[0] == "/tmp"):
         q_target, q_source = shlex.quote(target), shlex.quote(source)
         lines.append(f"mkdir -p {q_target} && mount --bind {q_source} {q_target}")
         if target in read_only:

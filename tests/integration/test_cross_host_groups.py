@@ -42,7 +42,7 @@ def network(tmp_path_factory):
     net.down()
 
 
-def _member(host, group: str, rank: int, world: int, master: str, port: int, join_timeout=20.0):
+def _member(host, group: str, rank: int, world: int, master: str, port: int, join_timeout=90.0):
     env = dict(os.environ)
     env["STPPO_NODE_IP"] = host.ip
     env.pop("GLOO_SOCKET_IFNAME", None)
