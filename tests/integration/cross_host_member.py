@@ -12,6 +12,7 @@ prints ``JOIN-ERROR <seconds> <message>`` and exits 3.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,9 +39,13 @@ def weight_member(rank: int, world: int, master: str, port: int, join_timeout: f
     metas = tensor_metas(STATE)
     if rank == 0:
         sent = group.send(STATE, metas, 7)
+        group.barrier()  # the others have received before rank 0 leaves
+        group.close()
         return f"sent {sent} bytes"
     version, tensors = group.receive(metas)
     got = dict(tensors)
+    group.barrier()
+    group.close()
     assert version == 7, version
     assert all(torch.equal(got[k], v) for k, v in STATE.items())
     return f"received version {version}"
@@ -56,6 +61,8 @@ def learner_member(rank: int, world: int, master: str, port: int, join_timeout: 
     dist.all_reduce(value)
     expected = world * (world + 1) / 2
     assert value.item() == expected, value
+    dist.barrier()
+    dist.destroy_process_group()  # gloo's threads alive at exit abort the process
     return f"rank {info.rank}/{info.world_size} all-reduce {value.item():g}"
 
 
@@ -80,4 +87,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # no interpreter teardown: a failed group's threads would abort it
