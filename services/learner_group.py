@@ -295,7 +295,7 @@ class LearnerGroup:
         """Say who has joined the ranks' group while it forms (read from rank 0's store);
         returns when all have, or after ``join_timeout_s`` (the ranks then raise their own
         :class:`actors.rendezvous.GroupJoinError`, naming who did not join)."""
-        from services.weight_sync import JOIN_PROGRESS_S, StorePeek
+        from services.weight_sync import JOIN_PROGRESS_S, StorePeek, join_status
 
         ips = ray.get([r.node_address.remote() for r in self.ranks])
         names = {rank: f"learner rank {rank} ({ip})" for rank, ip in enumerate(ips)}
@@ -307,11 +307,10 @@ class LearnerGroup:
         started = time.monotonic()
         last = ""
         while (waited := time.monotonic() - started) < join_timeout_s:
-            joined = peek.joined() or {}
+            joined = peek.joined() or {}  # rank 0 may not have bound its store yet
             if len(joined) == self.num_ranks:
                 return
-            missing = ", ".join(names[r] for r in names if r not in joined)
-            status = f"{len(joined)}/{self.num_ranks} joined; waiting for {missing}"
+            status = join_status(joined, names)
             if status != last and waited > JOIN_PROGRESS_S:
                 say(f"[learner] learner group: {status} ({waited:.0f} s of {join_timeout_s:g})")
                 last = status

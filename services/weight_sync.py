@@ -354,11 +354,7 @@ def wait_for_group(
             break
         waited = time.monotonic() - started
         joined = peek.joined()
-        if joined is None:
-            status = "store not reachable from the driver to show progress"
-        else:
-            missing = [names[r] for r in sorted(names) if r not in joined]
-            status = f"{len(joined)}/{len(names)} joined; waiting for " + ", ".join(missing)
+        status = join_status(joined, names)
         if status != last:
             say(f"[sync] {what}: {status} ({waited:.0f} s of {join_timeout_s:g})")
             last = status
@@ -376,6 +372,15 @@ def wait_for_group(
                 what, len(names), join_timeout_s, cause.joined, names, cause.cause
             ) from None
         raise
+
+
+def join_status(joined: dict[int, dict] | None, names: dict[int, str]) -> str:
+    """One progress line of a forming group: how many of ``names`` (rank -> label) have
+    joined and who is awaited (``joined`` None: the store is out of reach from here)."""
+    if joined is None:
+        return "store not reachable from the driver to show progress"
+    missing = ", ".join(names[r] for r in sorted(names) if r not in joined)
+    return f"{len(joined)}/{len(names)} joined; waiting for {missing}"
 
 
 class StorePeek:
