@@ -263,6 +263,9 @@ class LearnerGroup:
                 ray.remote(LearnerRank).options(**options).remote(rank, self.num_ranks)
             )
         addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
+        # asked before setup is queued: an actor runs one call at a time, so asked after, the
+        # addresses would only come back once every rank had joined and built its engines
+        ips = ray.get([r.node_address.remote() for r in self.ranks])
         join_timeout_s = cfg.ray.learner_join_timeout_s
         setups = [
             r.setup.remote(
@@ -280,7 +283,7 @@ class LearnerGroup:
         ]
         try:
             if self.num_ranks > 1:
-                self._wait_for_join(addr, port, join_timeout_s, say)
+                self._wait_for_join(addr, port, ips, join_timeout_s, say)
             ray.get(
                 _collect.options(scheduling_strategy=on_driver_node()).remote(setups, None, "setup")
             )
@@ -290,14 +293,18 @@ class LearnerGroup:
         self.rank_info = ray.get(setups)
 
     def _wait_for_join(
-        self, addr: str, port: int, join_timeout_s: float, say: Callable[[str], None]
+        self,
+        addr: str,
+        port: int,
+        ips: list[str],
+        join_timeout_s: float,
+        say: Callable[[str], None],
     ) -> None:
         """Say who has joined the ranks' group while it forms (read from rank 0's store);
         returns when all have, or after ``join_timeout_s`` (the ranks then raise their own
         :class:`actors.rendezvous.GroupJoinError`, naming who did not join)."""
         from services.weight_sync import JOIN_PROGRESS_S, StorePeek, join_status
 
-        ips = ray.get([r.node_address.remote() for r in self.ranks])
         names = {rank: f"learner rank {rank} ({ip})" for rank, ip in enumerate(ips)}
         say(
             f"[learner] forming the learner group at {addr}:{port}: "

@@ -6,7 +6,9 @@ with a :class:`LearnerRankError` naming the last checkpoint instead of hanging."
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,8 +59,20 @@ def test_group_exports_checkpoints_resumes_and_fails_clearly(ray_cluster, tiny_l
 
     from services.learner_group import LearnerGroup, LearnerRankError
 
-    group = LearnerGroup(config(tiny_llama_dir, 2), timeout_s=120.0)
+    said: list[tuple[float, str]] = []
+    group = LearnerGroup(
+        config(tiny_llama_dir, 2), timeout_s=120.0,
+        say=lambda line: said.append((time.monotonic(), line)),
+    )  # fmt: skip
+    ready_at = time.monotonic()
     try:
+        # the members are announced while the group forms, not once it has (an actor runs one
+        # call at a time: asked for its address after setup, a rank answers only when built)
+        forming = [(t, line) for t, line in said if "forming the learner group" in line]
+        assert forming and re.search(
+            r"learner rank 0 \(\d+\.\d+\.\d+\.\d+\), learner rank 1", forming[0][1]
+        )
+        assert ready_at - forming[0][0] > 1.0, said
         assert [info["rank"] for info in group.rank_info] == [0, 1]
         assert {info["backend"] for info in group.rank_info} == {"gloo"}
         first = ray.get(group.step.remote(make_batch(3)))
