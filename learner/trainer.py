@@ -29,6 +29,9 @@ One :meth:`Learner.step` (spec sections 2-4) is a sequence of named stages:
    rate (``scale_target = update``) or its policy loss (``loss``).
 5. ``policy_version += 1``; metrics.
 
+Weights leaving the learner (export, the collective weight-sync group) are
+:mod:`learner.weights`, checkpoints :mod:`learner.checkpoint`: :class:`Learner` inherits both.
+
 Data parallel (``num_ranks`` > 1; one learner per rank, ``services/learner_group.py``):
 every rank receives the whole batch and selects, collates, shuffles and cuts mini-batches
 identically, so the quantities the loss defines over the batch (the token-mean denominator,
@@ -64,7 +67,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -72,7 +74,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from pydantic import BaseModel, TypeAdapter
@@ -83,6 +85,7 @@ from actors.trajectory import Trajectory, TurnSummary, per_turn_summary
 from learner import advantages as adv_fns
 from learner import losses
 from learner.batch import TrainingBatch, collate_trajectories, token_budget_micro_batches
+from learner.checkpoint import CheckpointMixin
 from learner.config import (
     AlgorithmConfig,
     LearnerConfig,
@@ -106,19 +109,6 @@ the step's optimizer steps rather than its micro-batches."""
 
 class EmptyBatchError(ValueError):
     """No trajectory of a step is trainable (all excluded); the message says why."""
-
-
-class WeightsExport(NamedTuple):
-    """Policy weights ready to ship to generation engines.
-
-    Attributes:
-        state_dict: HF parameter name -> contiguous CPU tensor, cloned (owns its memory:
-            nothing references DeepSpeed's buffers). Tied weights share one clone.
-        policy_version: the learner's version of these weights (incremented once per step).
-    """
-
-    state_dict: dict[str, Tensor]
-    policy_version: int
 
 
 @dataclass
@@ -435,7 +425,7 @@ def _scalar(x: Tensor | float | None) -> float:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
 
 
-class Learner:
+class Learner(CheckpointMixin):
     """Policy + critic + reference under DeepSpeed, trained with the ST-PPO family.
 
     Args:
@@ -1299,234 +1289,3 @@ class Learner:
             train_logprob_gap=acc.gap_sum / acc.gap_count if acc.gap_count > 0 else None,
             staleness=staleness,
         )
-
-    # ------------------------------------------------------------------ weights, checkpoints
-
-    def export_weights(self) -> WeightsExport:
-        """The policy's weights as HF-named, contiguous, cloned CPU tensors + its version.
-
-        Clones own their memory (shipping views of DeepSpeed buffers through the Ray object
-        store kept those buffers alive: a learner grew to 21 GB). Under ZeRO-3 the
-        partitioned parameters are gathered first (a collective: every rank calls this).
-        Tied parameters (SmolLM2's embedding and LM head) map to one shared clone, so
-        ``load_state_dict`` of a fresh HF model works. On N ranks only rank 0 returns the
-        weights; the other ranks return an empty dict (and the same version).
-        """
-        state = self._module_state(self.policy_engine.module, self.rank == 0)
-        return WeightsExport(state_dict=state, policy_version=self.policy_version)
-
-    # ------------------------------------------------------------------ collective weight sync
-
-    def weight_group_address(self) -> tuple[str, int]:
-        """(node IP, port) where rank 0 hosts the weight-sync group's store
-        (``sync.transport = "collective"``, :mod:`actors.weight_group`). The store is bound
-        here, on every interface and a port the OS picks, and kept for
-        :meth:`join_weight_group`; the address is this node's as Ray knows it
-        (:func:`actors.rendezvous.node_ip`), never the hostname's or the default route's."""
-        from actors.rendezvous import bind_master_store, node_ip
-
-        self._weight_store = bind_master_store()
-        return node_ip(), self._weight_store.port
-
-    def join_weight_group(
-        self,
-        host: str,
-        port: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float,
-        join_timeout_s: float = 60.0,
-    ) -> list:
-        """Rank 0 joins the weight-sync group as its rank 0 (blocks until every engine has
-        joined, at most ``join_timeout_s``) and returns the broadcast plan (a
-        :class:`actors.weight_group.TensorMeta` per exported tensor); other ranks take part
-        in the export only (ZeRO-3 gathers) and return ``[]``.
-
-        Raises:
-            actors.rendezvous.GroupJoinError: the group did not form in time (names who is
-                missing)."""
-        from actors.weight_group import WeightGroup, tensor_metas
-
-        metas = tensor_metas(self.export_weights().state_dict)
-        if self.rank != 0:
-            return []
-        self.leave_weight_group()
-        store, self._weight_store = getattr(self, "_weight_store", None), None
-        if store is not None and store.port != port:
-            store = None  # an address from another call: bind the port given
-        self._weight_group = WeightGroup(
-            host, port, 0, world_size, backend, timeout_s, store, join_timeout_s
-        )
-        self._weight_metas = metas
-        return metas
-
-    def leave_weight_group(self) -> None:
-        """Leave the weight-sync group, if in one (every member must leave and re-join to
-        change its members, e.g. after an engine restarted)."""
-        group = getattr(self, "_weight_group", None)
-        if group is not None:
-            group.close()
-        self._weight_group = None
-
-    def broadcast_weights(self) -> dict[str, float]:
-        """Export the policy (collective under ZeRO-3) and, on rank 0, broadcast it to the
-        engines tensor by tensor; returns ``policy_version``, ``export_s``, ``broadcast_s``
-        and ``bytes`` (zeros on other ranks).
-
-        Raises:
-            RuntimeError: rank 0 is not in a weight-sync group.
-        """
-        started = time.perf_counter()
-        export = self.export_weights()
-        export_s = time.perf_counter() - started
-        if self.rank != 0:
-            return {"policy_version": float(self.policy_version), "export_s": export_s,
-                    "broadcast_s": 0.0, "bytes": 0.0}  # fmt: skip
-        group = getattr(self, "_weight_group", None)
-        if group is None:
-            raise RuntimeError("broadcast_weights before join_weight_group")
-        started = time.perf_counter()
-        sent = group.send(export.state_dict, self._weight_metas, export.policy_version)
-        return {
-            "policy_version": float(export.policy_version),
-            "export_s": export_s,
-            "broadcast_s": time.perf_counter() - started,
-            "bytes": float(sent),
-        }
-
-    def _module_state(self, module: torch.nn.Module, keep: bool) -> dict[str, Tensor]:
-        """Full CPU clones of ``module``'s state dict where ``keep``, else ``{}``; gathers
-        ZeRO-3 partitions first (collective)."""
-        state: dict[str, Tensor] = {}
-        clones: dict[int, Tensor] = {}
-        with self._gathered(module):
-            if not keep:
-                return state
-            for name, tensor in module.state_dict().items():
-                key = tensor.data_ptr()
-                if key not in clones:
-                    clones[key] = tensor.detach().to("cpu", copy=True).contiguous()
-                state[name] = clones[key]
-        return state
-
-    def _load_module_state(self, module: torch.nn.Module, state: dict[str, Tensor]) -> None:
-        """``module.load_state_dict(state)``; under ZeRO-3 inside a gather whose changes
-        rank 0 re-partitions (collective: every rank calls it, ``state`` needed on rank 0)."""
-        if not self._zero3(module):
-            module.load_state_dict(state)
-            return
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-            if self.rank == 0:
-                module.load_state_dict(state)
-
-    @staticmethod
-    def _zero3(module: torch.nn.Module) -> bool:
-        return any(hasattr(p, "ds_id") for p in module.parameters())
-
-    def _gathered(self, module: torch.nn.Module) -> Any:
-        import contextlib
-
-        if not self._zero3(module):
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-
-    def save_checkpoint(self, directory: str | Path) -> Path:
-        """Save policy and critic (weights, optimizer state), step and version, plus an HF
-        folder of the policy (``<directory>/hf_policy``, loadable by ``from_pretrained``).
-
-        Layout: ``policy/`` and ``critic/`` (DeepSpeed checkpoints), ``learner_state.json``,
-        ``hf_policy/``, and ``hf_reference/`` when the reference is no longer the base model
-        (:meth:`reset_reference_to_policy`). Returns ``directory``.
-
-        On N ranks every rank calls it with the same (shared) ``directory``: DeepSpeed writes
-        each rank's optimizer partition, rank 0 the gathered HF folders and
-        ``learner_state.json`` (which records ``num_ranks`` and ``zero_stage``).
-        """
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tag = f"step_{self.global_step}"
-        self.policy_engine.save_checkpoint(str(directory / "policy"), tag=tag)
-        self.critic_engine.save_checkpoint(str(directory / "critic"), tag=tag)
-        state = {
-            "global_step": self.global_step,
-            "policy_version": self.policy_version,
-            "nonfinite_steps_total": self.nonfinite_steps_total,
-            "algorithm": self.algorithm.model_dump(),
-            "tag": tag,
-            "num_ranks": self.world_size,
-            "zero_stage": self.config.zero_stage,
-        }
-        export = self.export_weights()
-        reference = None
-        if self.reference_version is not None:  # not the base model: it cannot be reloaded
-            reference = self._module_state(self.reference_engine.module, self.rank == 0)
-        if self.rank == 0:
-            hf_dir = directory / "hf_policy"
-            self.policy_engine.module.save_pretrained(hf_dir, state_dict=export.state_dict)
-            self.tokenizer.save_pretrained(hf_dir)
-            if reference is not None:
-                self.reference_engine.module.save_pretrained(
-                    directory / "hf_reference", state_dict=reference
-                )
-            state["reference_version"] = self.reference_version
-            (directory / "learner_state.json").write_text(json.dumps(state, indent=2))
-        self._barrier()
-        return directory
-
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def load_checkpoint(self, directory: str | Path) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (weights, optimizer states, step,
-        version, algorithm).
-
-        Resuming needs the ``num_ranks`` and ``zero_stage`` the checkpoint was written with
-        (DeepSpeed stores one optimizer partition per rank); another value fails here,
-        before anything is loaded. Checkpoints older than these fields count as 1 rank.
-
-        Raises:
-            FileNotFoundError: ``learner_state.json`` or a DeepSpeed checkpoint is missing.
-            ValueError: the checkpoint was written with another ``num_ranks`` or
-                ``zero_stage``.
-        """
-        directory = Path(directory)
-        state_path = directory / "learner_state.json"
-        if not state_path.exists():
-            raise FileNotFoundError(f"{state_path} not found: not a learner checkpoint")
-        state = json.loads(state_path.read_text())
-        saved_ranks = int(state.get("num_ranks", 1))
-        saved_stage = state.get("zero_stage", self.config.zero_stage)
-        if saved_ranks != self.world_size or saved_stage != self.config.zero_stage:
-            raise ValueError(
-                f"{directory} was written with learner.num_ranks = {saved_ranks}, "
-                f"learner.zero_stage = {saved_stage}; this run has num_ranks = "
-                f"{self.world_size}, zero_stage = {self.config.zero_stage}. Resume with the "
-                "same values (the optimizer state is partitioned per rank), or start a new "
-                "run from its hf_policy/ folder (model.path)"
-            )
-        for name, engine in (("policy", self.policy_engine), ("critic", self.critic_engine)):
-            path, _ = engine.load_checkpoint(str(directory / name), tag=state["tag"])
-            if path is None:
-                raise FileNotFoundError(
-                    f"no DeepSpeed checkpoint {state['tag']} in {directory / name}"
-                )
-        reference_version = state.get("reference_version")
-        if reference_version is not None:
-            from transformers import AutoModelForCausalLM
-
-            saved = AutoModelForCausalLM.from_pretrained(
-                directory / "hf_reference", dtype=self.reference_engine.module.dtype
-            )
-            self._load_module_state(self.reference_engine.module, saved.state_dict())
-        self.reference_version = reference_version
-        self.global_step = int(state["global_step"])
-        self.policy_version = int(state["policy_version"])
-        self.nonfinite_steps_total = int(state["nonfinite_steps_total"])
-        self.set_algorithm(state["algorithm"])
