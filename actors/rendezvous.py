@@ -63,6 +63,13 @@ def node_ip() -> str:
     return "127.0.0.1"
 
 
+def advertised_host(bind_host: str) -> str:
+    """The host to put in a URL for a server bound to ``bind_host``: the node's address
+    (:func:`node_ip`) for a wildcard bind (``0.0.0.0``, ``::``, empty), which another pod
+    could not use; else ``bind_host`` itself."""
+    return node_ip() if bind_host in ("0.0.0.0", "::", "") else bind_host
+
+
 def interface_of(ip: str) -> str | None:
     """The name of the network interface holding IPv4 address ``ip`` (None if none does).
 

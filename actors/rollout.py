@@ -40,6 +40,7 @@ import numpy as np
 from actors.config import RolloutConfig
 from actors.engines.protocol import STOP_STRINGS, GenerationEngine, GenerationResult, SamplingParams
 from actors.prompts import extract_search_query, information_ids, invalid_search_ids, prompt_ids
+from actors.rendezvous import advertised_host
 from actors.retrieval_client import Passage, RetrievalClient, RetrievalFailed
 from actors.reward import compute_reward
 from actors.scoring import compared_forms
@@ -437,7 +438,7 @@ def serve_engine_metrics(engine: GenerationEngine, host: str, port: int):
 
     server, _ = start_http_server(port, addr=host, registry=REGISTRY)
     bound = server.server_address[1]
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}/metrics"
+    url = f"http://{advertised_host(host)}:{bound}/metrics"
     logger.info("engine metrics: %s", url)
     return url, server
 

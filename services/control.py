@@ -331,8 +331,11 @@ class ControlServer:
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:8365``."""
-        return f"http://{self.host}:{self.port}"
+        """Base URL, e.g. ``http://127.0.0.1:8365``; bound to every interface, the node's
+        address (what another pod reaches, :func:`actors.rendezvous.advertised_host`)."""
+        from actors.rendezvous import advertised_host
+
+        return f"http://{advertised_host(self.host)}:{self.port}"
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop serving and join the thread."""

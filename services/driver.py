@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.rendezvous import advertised_host
 from services.config import RunConfig
 from services.control import ControlState, changed_fields, public_config
 from services.env import ray_temp_dir
@@ -252,7 +253,8 @@ class Driver:
                 self.registry, self.cfg.metrics.host, self.cfg.metrics.port
             )
             self._closers.append(server.close)
-            self.metrics_url = f"http://{self.cfg.metrics.host}:{server.port}/metrics"
+            host = advertised_host(self.cfg.metrics.host)
+            self.metrics_url = f"http://{host}:{server.port}/metrics"
             self.progress.say(f"metrics: {self.metrics_url}")
         if self.cfg.tracking.backends:
             from services.tracking import Tracker

@@ -93,6 +93,10 @@ def test_whole_job_across_pods(cluster):
     assert f"forming the weight-sync group at {pods['learner-0'].ip}:" in text
     shared = cluster.state_dir / "shared" / "runs" / "whole"
     assert (shared / "checkpoints" / "latest").exists() or any((shared / "checkpoints").iterdir())
+    # the URLs the driver hands out name the head pod, not the wildcard it binds
+    control = json.loads((shared / "control.json").read_text())
+    assert control["url"] == f"http://{pods['head'].ip}:8365", control
+    assert f"metrics: http://{pods['head'].ip}:9464/metrics" in text
     # Prometheus in the monitoring pod scraped the driver and every Ray pod over the bridge
     prom = f"http://{pods['monitoring'].ip}:9090/api/v1/query"
     up = httpx.get(prom, params={"query": "max_over_time(up[15m])"}, timeout=10).json()

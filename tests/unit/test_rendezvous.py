@@ -6,12 +6,25 @@ import pickle
 
 import pytest
 
-from actors.rendezvous import GroupJoinError, interface_of, node_ip, socket_ifname_env
+from actors.rendezvous import (
+    GroupJoinError,
+    advertised_host,
+    interface_of,
+    node_ip,
+    socket_ifname_env,
+)
 
 
 def test_node_ip_prefers_the_override(monkeypatch):
     monkeypatch.setenv("STPPO_NODE_IP", "10.1.2.3")
     assert node_ip() == "10.1.2.3"
+
+
+def test_advertised_host_names_the_node_for_a_wildcard_bind(monkeypatch):
+    monkeypatch.setenv("STPPO_NODE_IP", "10.1.2.3")
+    assert advertised_host("0.0.0.0") == advertised_host("") == "10.1.2.3"
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    assert advertised_host("10.9.9.9") == "10.9.9.9"
 
 
 def test_interface_of_loopback_and_unknown():
