@@ -112,7 +112,8 @@ class _Episode:
     policy_texts: list[str] = field(default_factory=list)
     queries: list[str | None] = field(default_factory=list)  # per turn, see TurnTranscript
     passages: list[tuple[tuple[str, str], ...]] = field(default_factory=list)  # per turn
-    versions: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per turn: version at its start
+    token_versions: list[int] = field(default_factory=list)  # per response token, -1 env
     num_turns: int = 0
     num_searches: int = 0
     num_invalid_searches: int = 0
@@ -129,11 +130,14 @@ class _Episode:
     def engine_input(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
-    def append_policy(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
+    def append_policy(
+        self, token_ids: list[int], logprobs: list[float], versions: list[int], version: int
+    ) -> None:
         self.response_ids += token_ids
         self.loss_mask += [1] * len(token_ids)
         self.turn_ids += [self.num_turns] * len(token_ids)
         self.logprobs += logprobs
+        self.token_versions += versions
         self.versions.append(version)
         self.queries.append(None)
         self.passages.append(())
@@ -144,6 +148,7 @@ class _Episode:
         self.loss_mask += [0] * len(token_ids)
         self.turn_ids += [-1] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
+        self.token_versions += [-1] * len(token_ids)
 
 
 def check_record(record: Mapping) -> None:
@@ -256,10 +261,11 @@ def _apply_generation(
     Returns the number of tokens kept.
     """
     token_ids, logprobs, reason = result.token_ids, result.logprobs, result.finish_reason
-    stop = result.stop_string
+    versions, stop = result.token_versions, result.stop_string
     if len(token_ids) > budget:  # the batch used a larger budget than this episode has
         token_ids, logprobs, reason, stop = token_ids[:budget], logprobs[:budget], "length", None
-    e.append_policy(list(token_ids), list(logprobs), result.policy_version)
+        versions = versions[:budget]
+    e.append_policy(list(token_ids), list(logprobs), list(versions), result.policy_version)
     text = tokenizer.decode(token_ids, skip_special_tokens=False)
     e.policy_texts.append(text)
     if reason == "stop" and stop == "</answer>":
@@ -329,6 +335,8 @@ def _append_environment(e: _Episode, block: list[int], cfg: RolloutConfig) -> No
 def _to_trajectory(tokenizer, e: _Episode, cfg: RolloutConfig) -> Trajectory:
     record = e.record
     failed = e.finish_reason == "retrieval_failed"
+    # the oldest / newest token; an episode without policy tokens: its turns' versions
+    policy_versions = [v for v in e.token_versions if v >= 0] or e.versions
     reward = compute_reward("\n".join(e.policy_texts), record, cfg.answer_normalization)
     return Trajectory(
         prompt_ids=np.asarray(e.prompt_ids, dtype=np.int64),
@@ -340,8 +348,8 @@ def _to_trajectory(tokenizer, e: _Episode, cfg: RolloutConfig) -> Trajectory:
         success=False if failed else reward.success,
         num_searches=e.num_searches,
         num_turns=e.num_turns,
-        policy_version_min=min(e.versions),
-        policy_version_max=max(e.versions),
+        policy_version_min=min(policy_versions),
+        policy_version_max=max(policy_versions),
         group_id=e.group_id,
         question_id=str(record["id"]),
         data_source=str(record["data_source"]),
@@ -356,6 +364,7 @@ def _to_trajectory(tokenizer, e: _Episode, cfg: RolloutConfig) -> Trajectory:
             "retrieval_error": e.retrieval_error,
         },
         transcript=_transcript(e, None if failed else reward.answer, cfg.answer_normalization),
+        token_versions=np.asarray(e.token_versions, dtype=np.int32),
     ).validate()
 
 
