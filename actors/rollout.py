@@ -38,6 +38,7 @@ from typing import Protocol
 import numpy as np
 
 from actors.config import RolloutConfig
+from actors.engines.interrupt import Interrupt, WeightGate
 from actors.engines.protocol import STOP_STRINGS, GenerationEngine, GenerationResult, SamplingParams
 from actors.prompts import extract_search_query, information_ids, invalid_search_ids, prompt_ids
 from actors.retrieval_client import Passage, RetrievalClient, RetrievalFailed
@@ -75,6 +76,10 @@ class RolloutStats:
         generation_s: Wall seconds inside ``engine.generate``.
         retrieval_s: Wall seconds inside ``/retrieve`` calls.
         wall_s: Wall seconds of the whole rollout (tokenisation, parsing, reward included).
+        num_inflight_weight_updates: Weight updates applied while this rollout ran (at a
+            safe point: mid-turn or between turns; ``rollout.interrupt_every_tokens > 0``).
+        weight_wait_s: Wall seconds the rollout waited, before starting, for the weights
+            the driver pushed to land.
     """
 
     num_trajectories: int = 0
@@ -86,6 +91,8 @@ class RolloutStats:
     generation_s: float = 0.0
     retrieval_s: float = 0.0
     wall_s: float = 0.0
+    num_inflight_weight_updates: int = 0
+    weight_wait_s: float = 0.0
 
     def add(self, other: RolloutStats) -> None:
         """Accumulate another call's counters into this one."""
@@ -168,6 +175,7 @@ def run_rollout(
     group_ids: Sequence[str],
     cfg: RolloutConfig,
     temperature: float | None = None,
+    interrupt: Interrupt | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
     """Roll out one episode per record, batched across episodes every turn.
 
@@ -179,6 +187,10 @@ def run_rollout(
         group_ids: Same length as ``records``; episodes of one question share an id.
         cfg: Turn and token budgets, sampling settings, answer normalisation of the reward.
         temperature: Overrides ``cfg.temperature`` (0 = greedy evaluation).
+        interrupt: Safe points for weight updates (:mod:`actors.engines.interrupt`):
+            ``interrupt.safe_point()`` runs before every turn, and the engine gets it for
+            its safe points within a turn. None: weights do not change during the call
+            unless the engine changes them itself.
 
     Returns:
         ``(trajectories, stats)``: validated trajectories in record order, and counters.
@@ -201,7 +213,9 @@ def run_rollout(
         live = [e for e in episodes if not e.done]
         if not live:
             break
-        _generate_turn(engine, tokenizer, live, cfg, temp, stats)
+        if interrupt is not None:
+            interrupt.safe_point()  # between turns: let a pending weight update in
+        _generate_turn(engine, tokenizer, live, cfg, temp, stats, interrupt)
         searching = [e for e in live if e.pending_query is not None]
         if searching:
             _retrieve_turn(client, tokenizer, searching, cfg, stats)
@@ -234,6 +248,7 @@ def _generate_turn(
     cfg: RolloutConfig,
     temperature: float,
     stats: RolloutStats,
+    interrupt: Interrupt | None = None,
 ) -> None:
     """One batched engine call for all live episodes; apply each result."""
     budgets = [_turn_budget(e, cfg) for e in live]
@@ -241,7 +256,11 @@ def _generate_turn(
         max_new_tokens=max(budgets), temperature=temperature, top_p=cfg.top_p, stop=STOP_STRINGS
     )
     t0 = time.perf_counter()
-    results = engine.generate([e.engine_input() for e in live], params)
+    inputs = [e.engine_input() for e in live]
+    if interrupt is None:
+        results = engine.generate(inputs, params)
+    else:
+        results = engine.generate(inputs, params, interrupt=interrupt)
     elapsed = time.perf_counter() - t0
     stats.generation_s += elapsed
     stats.num_engine_calls += 1
@@ -485,6 +504,8 @@ class RolloutWorker:
         self.temperature = rollout_cfg.temperature
         self.total_stats = RolloutStats()
         self.last_stats = RolloutStats()
+        self.gate = WeightGate()
+        self.interrupt_every_tokens = rollout_cfg.interrupt_every_tokens
         self._batches = itertools.count()
         self.engine_metrics_url, self._metrics_server = (None, None)
         if rollout_cfg.engine_metrics_port is not None:
@@ -492,44 +513,89 @@ class RolloutWorker:
                 self.engine, rollout_cfg.engine_metrics_host, rollout_cfg.engine_metrics_port
             )
 
-    def rollout(self, records: list[dict], greedy: bool = False) -> list[Trajectory]:
+    def rollout(
+        self, records: list[dict], greedy: bool = False, min_policy_version: int | None = None
+    ) -> list[Trajectory]:
         """Generate ``group_size`` episodes per record (1 per record when ``greedy``).
+
+        With ``interrupt_every_tokens > 0`` weight loads arriving on another thread are let
+        in at safe points (between turns, every N tokens; :mod:`actors.engines.interrupt`);
+        otherwise they wait for this call to return. The count of those that landed is
+        ``last_stats.num_inflight_weight_updates``, and is also written on the batch's first
+        trajectory (``extra["inflight_weight_updates"]``, 0 on the others: summing over
+        trajectories counts each update once).
 
         Args:
             records: QA records (``id``, ``question``, ``golden_answers``, ``data_source``).
             greedy: Evaluation mode: temperature 0, one episode per record.
+            min_policy_version: Wait until the engine holds at least this version before
+                generating (the driver's last push to this actor, whose load may run on the
+                loader thread after this call started), at most
+                ``rollout.weight_wait_timeout_s``. None: start at once.
 
         Returns:
-            Validated trajectories, grouped by record (``group_id`` shared within a group).
+            Validated trajectories, grouped by record (``group_id`` shared within a group);
+            each token's version is at least ``min_policy_version``.
 
         Raises:
             ValueError: empty ``records`` or a record missing a required key.
+            TimeoutError: ``min_policy_version`` did not land in time.
         """
         if not records:
             raise ValueError("rollout() needs at least one record")
+        waited = time.perf_counter()
+        if min_policy_version is not None:
+            self.gate.wait_for_version(
+                lambda: self.engine.policy_version,
+                min_policy_version,
+                self.cfg.weight_wait_timeout_s,
+            )
+        waited = time.perf_counter() - waited
         batch = next(self._batches)
         group_size = 1 if greedy else self.cfg.group_size
         expanded = [r for r in records for _ in range(group_size)]
         group_ids = [
             f"s{self.seed}-b{batch}-q{i}" for i in range(len(records)) for _ in range(group_size)
         ]
-        trajectories, stats = run_rollout(
-            self.engine,
-            self.tokenizer,
-            self.client,
-            expanded,
-            group_ids,
-            self.cfg,
-            temperature=0.0 if greedy else self.temperature,
-        )
+        every = self.interrupt_every_tokens
+        with self.gate.generating():
+            landed_before = self.gate.num_inflight_updates
+            trajectories, stats = run_rollout(
+                self.engine,
+                self.tokenizer,
+                self.client,
+                expanded,
+                group_ids,
+                self.cfg,
+                temperature=0.0 if greedy else self.temperature,
+                interrupt=Interrupt(every, self.gate.safe_point) if every > 0 else None,
+            )
+            stats.num_inflight_weight_updates = self.gate.num_inflight_updates - landed_before
+        stats.weight_wait_s = waited
+        for k, t in enumerate(trajectories):
+            t.extra["inflight_weight_updates"] = stats.num_inflight_weight_updates if k == 0 else 0
         self.last_stats = stats
         self.total_stats.add(stats)
         return trajectories
 
     def load_weights(self, state_dict: dict, policy_version: int) -> int:
-        """Load new policy weights in place (see the engine); returns the new version."""
-        self.engine.load_weights(state_dict, policy_version)
-        return self.engine.policy_version
+        """Load new policy weights in place (see the engine); returns the new version.
+
+        Thread-safe: called on the actor's loader thread while a rollout runs, it waits for
+        the rollout's next safe point (``interrupt_every_tokens > 0``) or its end."""
+        with self.gate.updating():
+            self.engine.load_weights(state_dict, policy_version)
+            return self.engine.policy_version
+
+    def set_interrupt_every_tokens(self, every_tokens: int) -> None:
+        """Change ``rollout.interrupt_every_tokens`` (live; from the next rollout on).
+
+        Raises:
+            ValueError: a negative value.
+        """
+        if every_tokens < 0:
+            raise ValueError(f"interrupt_every_tokens must be >= 0, got {every_tokens}")
+        self.interrupt_every_tokens = every_tokens
 
     def join_weight_group(
         self,
@@ -580,9 +646,10 @@ class RolloutWorker:
         group = getattr(self, "_weight_group", None)
         if group is None:
             raise RuntimeError("receive_weights before join_weight_group")
-        version, tensors = group.receive(metas)
+        version, tensors = group.receive(metas)  # needs no gate: the engine is not touched
         started = time.perf_counter()
-        self.engine.load_weights(dict(tensors), version)
+        with self.gate.updating():
+            self.engine.load_weights(dict(tensors), version)
         return time.perf_counter() - started
 
     def get_policy_version(self) -> int:
