@@ -568,7 +568,7 @@ class RolloutWorker:
                 group_ids,
                 self.cfg,
                 temperature=0.0 if greedy else self.temperature,
-                interrupt=Interrupt(every, self.gate.safe_point) if every > 0 else None,
+                interrupt=self._interrupt(every),
             )
             stats.num_inflight_weight_updates = self.gate.num_inflight_updates - landed_before
         stats.weight_wait_s = waited
@@ -586,6 +586,12 @@ class RolloutWorker:
         with self.gate.updating():
             self.engine.load_weights(state_dict, policy_version)
             return self.engine.policy_version
+
+    def _interrupt(self, every_tokens: int) -> Interrupt | None:
+        """The safe points of a rollout with ``interrupt_every_tokens = every_tokens``."""
+        if every_tokens == 0:
+            return None
+        return Interrupt(every_tokens, self.gate.safe_point, lambda: self.gate.update_waiting)
 
     def set_interrupt_every_tokens(self, every_tokens: int) -> None:
         """Change ``rollout.interrupt_every_tokens`` (live; from the next rollout on).

@@ -101,9 +101,9 @@ def create_rollout_actor(cfg: RunConfig, retrieval_url: str, index: int) -> Any:
     from actors.rollout import RolloutWorker
     from services.weight_sync import ENGINE_WEIGHTS_GROUP
 
-    cls = ray.remote(RolloutWorker).options(
-        concurrency_groups={ENGINE_WEIGHTS_GROUP: 1}, **rollout_actor_options(cfg, index)
-    )
+    # concurrency groups are a class option (``.options()`` refuses them)
+    cls = ray.remote(concurrency_groups={ENGINE_WEIGHTS_GROUP: 1})(RolloutWorker)
+    cls = cls.options(**rollout_actor_options(cfg, index))
     return cls.remote(
         model_path=str(cfg.model.path),
         rollout_cfg=cfg.rollout,

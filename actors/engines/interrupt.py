@@ -33,10 +33,16 @@ class Interrupt:
         every_tokens: decode tokens between two safe points within a generation (>= 1).
         safe_point: called at each; returns only when no update waits any more (the
             engine re-reads its ``policy_version`` afterwards). ``WeightGate.safe_point``.
+        pending: True while an update waits (``WeightGate.update_waiting``); engines that
+            must release their running requests before weights may change (vLLM: the KV
+            blocks are freed and the prefix cache reset by the load) ask it first and
+            call ``safe_point`` only then. None: unknown (such engines then suspend and
+            resume their requests at every safe point).
     """
 
     every_tokens: int
     safe_point: Callable[[], None]
+    pending: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.every_tokens < 1:
