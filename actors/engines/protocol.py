@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from actors.engines.interrupt import Interrupt
+
 FinishReason = Literal["stop", "eos", "length"]
 """Why one generation ended: a stop string was produced (``stop``), the tokenizer's EOS token
 was sampled (``eos``), or ``max_new_tokens`` was reached (``length``)."""
@@ -128,12 +130,18 @@ class GenerationEngine(Protocol):
         """Version of the weights currently loaded (0 = the initial checkpoint)."""
         ...
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, interrupt: Interrupt | None = None
+    ) -> list[GenerationResult]:
         """Sample one continuation per prompt, all prompts batched together.
 
         Args:
             prompts: B non-empty lists of token ids (no padding; lengths may differ).
             params: Sampling settings shared by the batch.
+            interrupt: Safe points for weight updates within the call
+                (:class:`actors.engines.interrupt.Interrupt`; HF, vLLM and the scripted
+                engine take it); None = the weights stay fixed for the call. Callers pass
+                it only when set, so engines without interruption need not accept it.
 
         Returns:
             B results, in prompt order.
