@@ -579,14 +579,18 @@ class RolloutWorker:
         self.total_stats.add(stats)
         return trajectories
 
-    def load_weights(self, state_dict: dict, policy_version: int) -> int:
-        """Load new policy weights in place (see the engine); returns the new version.
+    def load_weights(self, state_dict: dict, policy_version: int) -> float:
+        """Load new policy weights in place (see the engine); returns the seconds from the
+        call to loaded (what the driver adds to the export time in
+        ``stppo_weight_sync_seconds``, as :meth:`receive_weights` returns for the
+        collective transport). The new version is :meth:`get_policy_version`.
 
         Thread-safe: called on the actor's loader thread while a rollout runs, it waits for
         the rollout's next safe point (``interrupt_every_tokens > 0``) or its end."""
+        started = time.perf_counter()
         with self.gate.updating():
             self.engine.load_weights(state_dict, policy_version)
-            return self.engine.policy_version
+        return time.perf_counter() - started
 
     def _interrupt(self, every_tokens: int) -> Interrupt | None:
         """The safe points of a rollout with ``interrupt_every_tokens = every_tokens``."""

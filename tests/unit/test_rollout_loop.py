@@ -262,6 +262,15 @@ def start_loader_and_wait(worker, version: int) -> threading.Thread:
 TURN0 = "<think>I should look this up first.</think><search>q</search>"
 
 
+def test_load_weights_returns_its_seconds_not_the_version(tok):
+    """The driver adds the ack to the export time of ``stppo_weight_sync_seconds``: a
+    version number there (it was) read as seconds."""
+    worker, engine = interruptible_worker(tok, {}, 0)
+    took = worker.load_weights({}, 7)
+    assert isinstance(took, float) and 0.0 <= took < 5.0
+    assert worker.get_policy_version() == 7
+
+
 def test_an_update_lands_mid_turn_and_later_tokens_carry_it(tok):
     worker, engine = interruptible_worker(tok, {"Q?": [TURN0, "<answer>Lima</answer>"]}, 4)
     threads = []
