@@ -144,10 +144,12 @@ class ExperimentSpec(StrictModel):
     short then still covers every grid point."""
 
     cells: bool = False
-    """Also summarise per grid point over its seeds (:mod:`services.stability`):
-    ``cells.json``, ``cells.md`` (mean, sd and t-interval of final success, collapsed runs,
-    clip ratio, largest token log-ratio, approx KL, clip-bias scale, realised staleness) and
-    ``cells.png`` (success curves, mean and band over seeds, one panel per staleness)."""
+    """Also summarise per grid point (the grid's keys name a cell) over its seeds
+    (:mod:`services.stability`): ``cells.json``, ``cells.md`` (IQM of final validation and
+    training success with bootstrap intervals, validation gain over the start, probability
+    of improvement over ppo, collapse rate with a Wilson interval, clip ratio, approx KL,
+    clip-bias scale, realised staleness), ``cells.png`` (success curves, mean and band over
+    seeds, one panel per staleness) and ``cells_intervals.png`` (the intervals per cell)."""
 
     @field_validator("grid")
     @classmethod
@@ -663,7 +665,8 @@ def summarize_experiment(
     if spec.cells:
         from services.stability import write_cells
 
-        _, cells_md, _ = write_cells([r.config.run_dir for r in started], spec.collapse, out_dir)
+        run_dirs = [r.config.run_dir for r in started]
+        _, cells_md, _ = write_cells(run_dirs, spec.collapse, out_dir, cell_keys=tuple(spec.grid))
     return ExperimentResult(summaries, json_path, md_path, figure, 0.0, cells_md)
 
 
