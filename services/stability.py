@@ -259,6 +259,8 @@ class RunStats:
     success_curve: list[float]
     malformed_curve: list[float]
     cell: dict[str, Any] = field(default_factory=dict)
+    finished: bool = True
+    """The run wrote its final evaluation (``eval.jsonl`` tag ``end``)."""
 
 
 def run_stats(
@@ -307,6 +309,7 @@ def run_stats(
         success_curve=success,
         malformed_curve=_series(steps, "malformed_rate"),
         cell={k: _dotted(cfg, k) for k in cell_keys},
+        finished=bool(end),
     )
 
 
@@ -548,10 +551,14 @@ def write_cells(
     cell_keys: tuple[str, ...] = CELL_KEYS,
 ) -> tuple[Path, Path, Path | None]:
     """``cells.json``, ``cells.md``, ``cells.png`` (curves) and ``cells_intervals.png``
-    under ``out_dir`` from the runs that have a ``config.json``; returns the paths of the
-    first three (figure None when no run has a step)."""
-    runs = [run_stats(d, rule, final_window, cell_keys)
-            for d in run_dirs if (d / "config.json").exists()]  # fmt: skip
+    under ``out_dir`` from the finished runs (a ``config.json`` and a final evaluation; a
+    run still in progress or stopped early would bias its cell and is only listed, as
+    ``unfinished`` in ``cells.json``); returns the paths of the first three (figure None
+    when no run has a step)."""
+    started = [d for d in run_dirs if (d / "config.json").exists()]
+    stats = [run_stats(d, rule, final_window, cell_keys) for d in started]
+    runs = [r for r in stats if r.finished]
+    unfinished = [d.name for d, r in zip(started, stats, strict=True) if not r.finished]
     cells = cell_summaries(runs)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -567,6 +574,7 @@ def write_cells(
     meta = {"final_window": final_window, "confidence": CONFIDENCE,
             "bootstrap": {"method": "percentile", "n_resamples": N_RESAMPLES, "seed": BOOTSTRAP_SEED},
             "collapse_rule": rule.model_dump()}  # fmt: skip
+    meta["unfinished"] = unfinished
     json_path.write_text(json.dumps({**meta, "cells": rows}, indent=2) + "\n")
     md_path = out_dir / "cells.md"
     md_path.write_text(cells_markdown(cells, rule, final_window))

@@ -190,3 +190,25 @@ def test_tokenizer_ids_and_codes_are_single_tokens_and_round_trip():
     assert tok.decode(ids) == text
     pieces = tok.convert_ids_to_tokens(ids)
     assert pieces.count(r.rid) == 2 and r.code in pieces and r.link in pieces
+
+
+def test_write_cells_leaves_unfinished_runs_out_and_draws_intervals(tmp_path: Path):
+    from services.stability import write_cells
+
+    rule = CollapseRule(drop=0.3, last_k=2, window=1)
+    done = [_fake_run(tmp_path, f"p{i}", "ppo", 0, [0.2, 0.4, 0.5 + 0.1 * i]) for i in range(3)]
+    done += [_fake_run(tmp_path, f"s{i}", "st_ppo", 0, [0.2, 0.3, 0.1 * i]) for i in range(3)]
+    running = _fake_run(tmp_path, "s9", "st_ppo", 0, [0.2, 0.0])
+    (running / "eval.jsonl").write_text(json.dumps({"tag": "start", "success_rate": 0.2}) + "\n")
+    json_path, md_path, figure = write_cells([*done, running], rule, tmp_path / "out")
+    payload = json.loads(json_path.read_text())
+    assert payload["unfinished"] == ["s9"]
+    cells = {c["variant"]: c for c in payload["cells"]}
+    assert cells["st_ppo"]["runs"] == 3
+    # ppo ends at 0.5, 0.6, 0.7; st_ppo at 0.0, 0.1, 0.2: every pair lost -> 0, interval [0, 0]
+    assert cells["st_ppo"]["poi_vs_ppo"] == 0.0 and cells["st_ppo"]["poi_vs_ppo_ci"] == [0.0, 0.0]
+    # val gain of ppo: 0.3, 0.4, 0.5 over a start of 0.2 -> mean 0.4, interval inside [0.3, 0.5]
+    low, high = cells["ppo"]["val_gain_ci"]
+    assert cells["ppo"]["val_gain_mean"] == pytest.approx(0.4) and 0.3 <= low < high <= 0.5
+    assert "| st_ppo | None | 0 | 3 |" in md_path.read_text()
+    assert figure is not None and (tmp_path / "out" / "cells_intervals.png").stat().st_size > 5_000
