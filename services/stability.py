@@ -377,7 +377,7 @@ def _f(v: float, digits: int = 3) -> str:
 
 
 def _ci(ci: tuple[float, float], digits: int = 2) -> str:
-    return "-" if any(math.isnan(v) for v in ci) else f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+    return "" if any(math.isnan(v) for v in ci) else f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
 
 def cell_label(cell: dict[str, Any]) -> str:
