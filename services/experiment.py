@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from learner.config import StrictModel
 from services.config import ConfigError, RunConfig, _format_validation_error, load_config, read_toml
@@ -104,6 +104,12 @@ class ExperimentSpec(StrictModel):
     grid: dict[str, list[Any]] = Field(min_length=1)
     """``dotted.key -> values``; the runs are the cartesian product, in file order."""
 
+    exclude: list[dict[str, Any]] = Field(default_factory=list)
+    """Grid points left out: a point whose values match every ``dotted.key = value`` of any
+    one entry is not planned (e.g. ``{"algorithm.off_policy" = "behavior",
+    "buffer.max_staleness" = 0}``, a cell the grid's other cells already cover). Every key
+    must be a grid axis."""
+
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     """``run.seed`` of each repetition (the same seeds for every grid point)."""
 
@@ -144,10 +150,12 @@ class ExperimentSpec(StrictModel):
     short then still covers every grid point."""
 
     cells: bool = False
-    """Also summarise per grid point over its seeds (:mod:`services.stability`):
-    ``cells.json``, ``cells.md`` (mean, sd and t-interval of final success, collapsed runs,
-    clip ratio, largest token log-ratio, approx KL, clip-bias scale, realised staleness) and
-    ``cells.png`` (success curves, mean and band over seeds, one panel per staleness)."""
+    """Also summarise per grid point (the grid's keys name a cell) over its seeds
+    (:mod:`services.stability`): ``cells.json``, ``cells.md`` (IQM of final validation and
+    training success with bootstrap intervals, validation gain over the start, probability
+    of improvement over ppo, collapse rate with a Wilson interval, clip ratio, approx KL,
+    clip-bias scale, realised staleness), ``cells.png`` (success curves, mean and band over
+    seeds, one panel per staleness) and ``cells_intervals.png`` (the intervals per cell)."""
 
     @field_validator("grid")
     @classmethod
@@ -158,6 +166,19 @@ class ExperimentSpec(StrictModel):
             if key in ("run.seed", "run.num_steps", "run.name", "run.output_dir"):
                 raise ValueError(f"grid axis {key!r} is set by the experiment itself")
         return grid
+
+    @model_validator(mode="after")
+    def _check_exclude(self) -> ExperimentSpec:
+        for entry in self.exclude:
+            unknown = sorted(set(entry) - set(self.grid))
+            if not entry or unknown:
+                raise ValueError(f"exclude entry {entry} names no grid axis or not only: {unknown}")
+        return self
+
+    def excluded(self, point: dict[str, Any]) -> bool:
+        """Whether the grid point ``point`` (``dotted.key -> value``) matches an ``exclude``
+        entry."""
+        return any(all(point.get(k) == v for k, v in e.items()) for e in self.exclude)
 
 
 @dataclass
@@ -330,7 +351,8 @@ def plan_runs(
 ) -> list[PlannedRun]:
     """Every grid point x seed as a validated config (nothing runs yet).
 
-    Each run gets ``run.name`` from :func:`run_name`, ``run.output_dir = output_dir/name``,
+    Grid points matching an ``exclude`` entry are left out. Each run gets ``run.name`` from
+    :func:`run_name`, ``run.output_dir = output_dir/name``,
     ``run.seed`` and ``run.num_steps = spec.num_steps`` (and, with ``shared_warm_start``,
     ``model.path`` = :func:`warm_start_policy_dir` and ``sft.enabled = false``);
     ``extra_overrides`` (``dotted.key=value`` strings) come last, before those.
@@ -347,6 +369,7 @@ def plan_runs(
             "sft.enabled": False,
         }
     points = [dict(zip(keys, v, strict=True)) for v in itertools.product(*spec.grid.values())]
+    points = [p for p in points if not spec.excluded(p)]
     if spec.seed_major:
         order = [(point, seed) for seed in spec.seeds for point in points]
     else:
@@ -663,7 +686,8 @@ def summarize_experiment(
     if spec.cells:
         from services.stability import write_cells
 
-        _, cells_md, _ = write_cells([r.config.run_dir for r in started], spec.collapse, out_dir)
+        run_dirs = [r.config.run_dir for r in started]
+        _, cells_md, _ = write_cells(run_dirs, spec.collapse, out_dir, cell_keys=tuple(spec.grid))
     return ExperimentResult(summaries, json_path, md_path, figure, 0.0, cells_md)
 
 

@@ -1,15 +1,27 @@
-"""Per-cell statistics and figure of a multi-seed grid (``stppo experiment stability``).
+"""Per-cell statistics and figures of a multi-seed grid (``stppo experiment stability_answer``).
 
-A cell is one (``algorithm.variant``, ``buffer.max_staleness``) point of the grid; its runs
-are the seeds. For each cell (:class:`CellSummary`) over its runs:
+A cell is one grid point (by default the values of ``algorithm.variant``,
+``algorithm.off_policy`` and ``buffer.max_staleness``; :data:`CELL_KEYS`); its runs are
+the seeds. For each cell (:class:`CellSummary`) over its runs:
 
-- final success: the training success (``success_rate`` of ``steps.jsonl``, 8 trajectories
-  per step in the default grid) averaged over each run's last ``final_window`` steps, then
-  mean, standard deviation (``ddof = 1``) and 95% t-interval half-width over seeds; the
-  validation success at the end (``eval.jsonl``, tag ``end``) likewise;
-- collapsed: runs for which :func:`services.experiment.run_collapsed` fires (the spec's
-  rule: smoothed success at least ``drop`` below its best on each of the last ``last_k``
-  steps, or smoothed malformed share at least ``malformed``), as ``k/n``;
+- final validation success: greedy success on the held-out questions at the end of each run
+  (``eval.jsonl``, tag ``end``); its interquartile mean (IQM, the mean of the middle 50% of
+  runs, ``scipy.stats.trim_mean(x, 0.25)``) with a 95% percentile-bootstrap interval over
+  seeds (:func:`iqm_ci`; with one task, rliable's stratified bootstrap is the bootstrap over
+  runs), and the mean and sd;
+- validation gain: end minus start (tag ``start``, the same questions before RL), mean with
+  a 95% bootstrap interval: does RL improve on its starting point;
+- final training success: ``success_rate`` of ``steps.jsonl`` averaged over each run's last
+  ``final_window`` steps, IQM and interval likewise;
+- probability of improvement over ``ppo`` in the same cell otherwise (same objective and
+  staleness): P(X > Y) + P(X = Y) / 2 for X a run of this variant and Y one of ppo, on the
+  final validation success (:func:`probability_of_improvement`, the Mann-Whitney U statistic
+  over n*m, as rliable defines it), with a 95% stratified-bootstrap interval (each side
+  resampled on its own, :func:`poi_ci`);
+- collapsed: runs for which :func:`services.experiment.run_collapsed` fires (smoothed
+  success at least ``drop`` below its best on each of the last ``last_k`` steps, or smoothed
+  malformed share at least ``malformed``), as ``k/n`` with a 95% Wilson interval
+  (:func:`wilson_ci`, ``scipy.stats.binomtest(k, n).proportion_ci(method="wilson")``);
 - clip ratio and approx KL (nats/token): mean over steps, then over runs;
 - largest token ``|log ratio|`` (``token_log_ratio_abs_max``, nats): max over steps,
   mean over runs;
@@ -19,48 +31,37 @@ are the seeds. For each cell (:class:`CellSummary`) over its runs:
   staleness is exactly ``min(step - 1, max_staleness)``, which ``sync.fixed_lag`` promises
   (1.0 expected).
 
-Welch's t-test of each cell's final success against ``ppo`` at the same staleness gives a
-p-value (two-sided; NaN with fewer than 2 runs on either side). With 3 seeds this only
-separates large effects; the table says so.
+Sources: Agarwal et al., "Deep RL at the Edge of the Statistical Precipice" (NeurIPS 2021)
+for IQM, stratified bootstrap and probability of improvement (rliable); Wilson (1927) for the
+binomial interval. Every interval is computed by scipy (``scipy.stats.bootstrap``, percentile
+method, 2,000 resamples, a fixed generator seed so the summary is reproducible).
 
-The figure (:func:`plot_cells`): one panel per staleness, one line per variant: the mean
-over seeds of the smoothed training success per step, with a band of +- one standard
-deviation over seeds.
+The figures (:func:`plot_cells`, :func:`plot_intervals`): success curves per step (mean and
+±1 sd band over seeds); and per cell the IQM with its interval, the probability of
+improvement with its interval and the collapse rate with its Wilson interval.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from services.experiment import CollapseRule, read_jsonl, run_collapsed
 
+CELL_KEYS: tuple[str, ...] = ("algorithm.variant", "algorithm.off_policy", "buffer.max_staleness")
+"""Dotted config keys whose values name a cell (a missing key reads as ``None``)."""
 
-@dataclass
-class CellSummary:
-    """One row of the per-cell table (fields as in the module docstring; NaN = missing)."""
+CONFIDENCE = 0.95
+"""Coverage of every interval."""
 
-    variant: str
-    max_staleness: int
-    runs: int
-    steps_mean: float
-    final_success_mean: float
-    final_success_sd: float
-    final_success_ci95: float
-    val_success_mean: float
-    val_success_sd: float
-    collapsed: int
-    judged: int
-    clip_ratio: float
-    approx_kl: float
-    token_log_ratio_max: float
-    clip_bias_scale_mean: float
-    clip_bias_scale_min: float
-    exact_staleness_share: float
-    p_vs_ppo: float
+N_RESAMPLES = 2000
+"""Bootstrap resamples per interval."""
+
+BOOTSTRAP_SEED = 0
+"""Seed of the bootstrap's generator (a summary is the same every time it is written)."""
 
 
 def _finite(values: list[float]) -> list[float]:
@@ -80,42 +81,173 @@ def _sd(values: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
 
 
-def _ci95(values: list[float]) -> float:
-    """Half-width of the 95% t-interval of the mean (NaN below 2 values)."""
+def iqm(values: list[float]) -> float:
+    """Interquartile mean: the mean of the middle 50% of the finite values
+    (``scipy.stats.trim_mean(x, 0.25)``: ``floor(0.25 n)`` values cut from each end).
+    NaN when there are none.
+
+    Example: ``iqm([0, 1, 2, 3, 4, 5, 6, 7]) == 3.5`` (the mean of 2, 3, 4, 5).
+    """
     from scipy import stats
 
     v = _finite(values)
-    if len(v) < 2:
-        return math.nan
-    return float(stats.t.ppf(0.975, len(v) - 1)) * _sd(v) / math.sqrt(len(v))
+    return float(stats.trim_mean(v, 0.25)) if v else math.nan
 
 
-def welch_p(a: list[float], b: list[float]) -> float:
-    """Two-sided Welch t-test p-value of ``mean(a) != mean(b)`` (NaN with < 2 values on a
-    side; 1.0 when both sides are constant and equal)."""
+def _iqm_axis(x, axis=-1):
     from scipy import stats
 
-    a, b = _finite(a), _finite(b)
-    if len(a) < 2 or len(b) < 2:
+    return stats.trim_mean(x, 0.25, axis=axis)
+
+
+def _bootstrap(samples: tuple[list[float], ...], statistic) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of ``statistic`` over ``samples``, each resampled
+    on its own (independent strata); (NaN, NaN) when a sample has fewer than 2 values."""
+    import numpy as np
+    from scipy import stats
+
+    if any(len(s) < 2 for s in samples):
+        return math.nan, math.nan
+    arrays = tuple(np.asarray(s, dtype=float) for s in samples)
+    if all(np.ptp(a) == 0 for a in arrays):  # every resample gives the same value
+        value = float(statistic(*arrays, axis=-1))
+        return value, value
+    result = stats.bootstrap(
+        arrays,
+        statistic,
+        confidence_level=CONFIDENCE,
+        n_resamples=N_RESAMPLES,
+        method="percentile",
+        paired=False,
+        vectorized=True,
+        rng=np.random.default_rng(BOOTSTRAP_SEED),
+    )
+    ci = result.confidence_interval
+    return float(ci.low), float(ci.high)
+
+
+def iqm_ci(values: list[float]) -> tuple[float, float]:
+    """95% percentile-bootstrap interval (over runs) of :func:`iqm` of the finite values:
+    (low, high), (NaN, NaN) below 2 values, (v, v) when all values are v."""
+    return _bootstrap((_finite(values),), _iqm_axis)
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """95% percentile-bootstrap interval (over runs) of the mean of the finite values, as
+    :func:`iqm_ci`."""
+    import numpy as np
+
+    return _bootstrap((_finite(values),), lambda x, axis=-1: np.mean(x, axis=axis))
+
+
+def _poi_axis(x, y, axis=-1):
+    """P(X > Y) + P(X = Y) / 2 over all pairs, along ``axis`` of x and y (vectorised)."""
+    import numpy as np
+
+    x = np.moveaxis(np.asarray(x), axis, -1)[..., :, None]
+    y = np.moveaxis(np.asarray(y), axis, -1)[..., None, :]
+    return ((x > y).astype(float) + 0.5 * (x == y)).mean(axis=(-2, -1))
+
+
+def probability_of_improvement(x: list[float], y: list[float]) -> float:
+    """P(X > Y) + P(X = Y) / 2 for X drawn from ``x`` and Y from ``y`` (finite values):
+    the Mann-Whitney U statistic of x over ``len(x) * len(y)``
+    (``scipy.stats.mannwhitneyu(x, y).statistic``). 0.5 = no difference. NaN if either
+    side is empty.
+
+    Example: ``probability_of_improvement([1, 2, 3], [0, 2, 5]) == 4.5 / 9`` (x wins 4 of
+    the 9 pairs, ties 1).
+    """
+    from scipy import stats
+
+    x, y = _finite(x), _finite(y)
+    if not x or not y:
         return math.nan
-    if _sd(a) == 0 and _sd(b) == 0:
-        return 1.0 if _mean(a) == _mean(b) else 0.0
-    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    return float(stats.mannwhitneyu(x, y).statistic) / (len(x) * len(y))
+
+
+def poi_ci(x: list[float], y: list[float]) -> tuple[float, float]:
+    """95% stratified-bootstrap interval of :func:`probability_of_improvement`: x and y each
+    resampled on their own (rliable's stratified bootstrap with one task); (NaN, NaN) when
+    either side has fewer than 2 values."""
+    return _bootstrap((_finite(x), _finite(y)), _poi_axis)
+
+
+def wilson_ci(k: int, n: int) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion k/n, no continuity correction
+    (``scipy.stats.binomtest(k, n).proportion_ci(method="wilson")``); (NaN, NaN) for n = 0.
+
+    Example: ``wilson_ci(5, 10) ~= (0.2366, 0.7634)``.
+
+    Raises:
+        ValueError: k < 0 or k > n.
+    """
+    from scipy import stats
+
+    if n == 0:
+        return math.nan, math.nan
+    if not 0 <= k <= n:
+        raise ValueError(f"k = {k} successes out of n = {n}")
+    ci = stats.binomtest(k, n).proportion_ci(confidence_level=CONFIDENCE, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+@dataclass
+class CellSummary:
+    """One row of the per-cell table (fields as in the module docstring; NaN = missing;
+    ``*_ci`` = (low, high) of a 95% interval)."""
+
+    cell: dict[str, Any]
+    variant: str
+    max_staleness: int
+    runs: int
+    steps_mean: float
+    val_success_iqm: float
+    val_success_iqm_ci: tuple[float, float]
+    val_success_mean: float
+    val_success_sd: float
+    val_start_mean: float
+    val_gain_mean: float
+    val_gain_ci: tuple[float, float]
+    final_success_iqm: float
+    final_success_iqm_ci: tuple[float, float]
+    poi_vs_ppo: float
+    poi_vs_ppo_ci: tuple[float, float]
+    collapsed: int
+    judged: int
+    collapse_ci: tuple[float, float]
+    clip_ratio: float
+    approx_kl: float
+    token_log_ratio_max: float
+    clip_bias_scale_mean: float
+    clip_bias_scale_min: float
+    exact_staleness_share: float
 
 
 def _series(records: list[dict[str, Any]], key: str) -> list[float]:
     return [float(r[key]) if isinstance(r.get(key), int | float) else math.nan for r in records]
 
 
+def _dotted(cfg: dict[str, Any], key: str) -> Any:
+    """``cfg["a"]["b"]`` for ``key = "a.b"``; None where a part is missing."""
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
 @dataclass
 class RunStats:
-    """What one run contributes to its cell."""
+    """What one run contributes to its cell (successes are shares in [0, 1])."""
 
     variant: str
     max_staleness: int
     steps: int
     final_success: float
     val_success: float
+    val_start: float
     collapsed: bool | None
     clip_ratio: float
     approx_kl: float
@@ -126,18 +258,28 @@ class RunStats:
     consumed: int
     success_curve: list[float]
     malformed_curve: list[float]
+    cell: dict[str, Any] = field(default_factory=dict)
+    finished: bool = True
+    """The run wrote its final evaluation (``eval.jsonl`` tag ``end``)."""
 
 
-def run_stats(run_dir: Path, rule: CollapseRule, final_window: int = 10) -> RunStats:
+def run_stats(
+    run_dir: Path,
+    rule: CollapseRule,
+    final_window: int = 10,
+    cell_keys: tuple[str, ...] = CELL_KEYS,
+) -> RunStats:
     """Read one run directory (``config.json``, ``steps.jsonl``, ``eval.jsonl``,
-    ``consumed.jsonl``).
+    ``consumed.jsonl``); ``cell_keys`` (dotted config keys) name its cell.
 
     Raises:
         FileNotFoundError: no ``config.json``.
     """
     cfg = json.loads((run_dir / "config.json").read_text())
     steps = read_jsonl(run_dir / "steps.jsonl", "step")
-    end = [e for e in read_jsonl(run_dir / "eval.jsonl") if e.get("tag") == "end"]
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    end = [e for e in evals if e.get("tag") == "end"]
+    begin = [e for e in evals if e.get("tag") == "start"]
     success = _series(steps, "success_rate")
     scale = _finite(_series(steps, "clip_bias_scale"))
     lag = int(cfg["buffer"]["max_staleness"])
@@ -153,6 +295,7 @@ def run_stats(run_dir: Path, rule: CollapseRule, final_window: int = 10) -> RunS
         steps=len(steps),
         final_success=_mean(success[-final_window:]),
         val_success=float(end[-1]["success_rate"]) if end else math.nan,
+        val_start=float(begin[0]["success_rate"]) if begin else math.nan,
         collapsed=run_collapsed(steps, rule),
         clip_ratio=_mean(_series(steps, "clip_ratio")),
         approx_kl=_mean(_series(steps, "approx_kl")),
@@ -165,33 +308,57 @@ def run_stats(run_dir: Path, rule: CollapseRule, final_window: int = 10) -> RunS
         consumed=consumed,
         success_curve=success,
         malformed_curve=_series(steps, "malformed_rate"),
+        cell={k: _dotted(cfg, k) for k in cell_keys},
+        finished=bool(end),
     )
 
 
+def _key(cell: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, json.dumps(v)) for k, v in cell.items()))
+
+
 def cell_summaries(runs: list[RunStats]) -> list[CellSummary]:
-    """Group runs by (variant, max_staleness) in first-seen order and summarise each."""
-    cells: dict[tuple[str, int], list[RunStats]] = {}
+    """Group runs by their cell (in first-seen order) and summarise each.
+
+    The probability of improvement compares a cell with the cell equal to it except
+    ``algorithm.variant = "ppo"`` (NaN for ppo itself, or without such a cell or key).
+    """
+    cells: dict[tuple, list[RunStats]] = {}
     for r in runs:
-        cells.setdefault((r.variant, r.max_staleness), []).append(r)
+        cells.setdefault(_key(r.cell), []).append(r)
     out = []
-    for (variant, lag), rs in cells.items():
+    for rs in cells.values():
+        cell = rs[0].cell
+        val = [r.val_success for r in rs]
+        gain = [r.val_success - r.val_start for r in rs]
         finals = [r.final_success for r in rs]
-        ppo = cells.get(("ppo", lag), [])
+        is_ppo = cell.get("algorithm.variant") in ("ppo", None)
+        ppo_runs = [] if is_ppo else cells.get(_key({**cell, "algorithm.variant": "ppo"}), [])
+        ppo_val = [r.val_success for r in ppo_runs]
         judged = [r.collapsed for r in rs if r.collapsed is not None]
+        collapsed = sum(bool(c) for c in judged)
         consumed = sum(r.consumed for r in rs)
         out.append(
             CellSummary(
-                variant=variant,
-                max_staleness=lag,
+                cell=cell,
+                variant=rs[0].variant,
+                max_staleness=rs[0].max_staleness,
                 runs=len(rs),
                 steps_mean=_mean([float(r.steps) for r in rs]),
-                final_success_mean=_mean(finals),
-                final_success_sd=_sd(finals),
-                final_success_ci95=_ci95(finals),
-                val_success_mean=_mean([r.val_success for r in rs]),
-                val_success_sd=_sd([r.val_success for r in rs]),
-                collapsed=sum(bool(c) for c in judged),
+                val_success_iqm=iqm(val),
+                val_success_iqm_ci=iqm_ci(val),
+                val_success_mean=_mean(val),
+                val_success_sd=_sd(val),
+                val_start_mean=_mean([r.val_start for r in rs]),
+                val_gain_mean=_mean(gain),
+                val_gain_ci=mean_ci(gain),
+                final_success_iqm=iqm(finals),
+                final_success_iqm_ci=iqm_ci(finals),
+                poi_vs_ppo=probability_of_improvement(val, ppo_val) if ppo_runs else math.nan,
+                poi_vs_ppo_ci=poi_ci(val, ppo_val) if ppo_runs else (math.nan, math.nan),
+                collapsed=collapsed,
                 judged=len(judged),
+                collapse_ci=wilson_ci(collapsed, len(judged)),
                 clip_ratio=_mean([r.clip_ratio for r in rs]),
                 approx_kl=_mean([r.approx_kl for r in rs]),
                 token_log_ratio_max=_mean([r.token_log_ratio_max for r in rs]),
@@ -199,9 +366,6 @@ def cell_summaries(runs: list[RunStats]) -> list[CellSummary]:
                 clip_bias_scale_min=min(r.clip_bias_scale_min for r in rs),
                 exact_staleness_share=sum(r.exact_staleness for r in rs) / consumed
                 if consumed
-                else math.nan,
-                p_vs_ppo=welch_p(finals, [r.final_success for r in ppo])
-                if variant != "ppo"
                 else math.nan,
             )
         )
@@ -212,33 +376,103 @@ def _f(v: float, digits: int = 3) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
+def _ci(ci: tuple[float, float], digits: int = 2) -> str:
+    return "" if any(math.isnan(v) for v in ci) else f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def cell_label(cell: dict[str, Any]) -> str:
+    """``variant / off_policy / staleness`` style label: the cell's values joined by ``/``."""
+    return " / ".join(str(v) for v in cell.values())
+
+
+def _sort_key(c: CellSummary) -> tuple:
+    """Cells with the same values apart from the variant together, ppo first."""
+    rest = [str(v) if not isinstance(v, int | float) else f"{v:012.6f}"
+            for k, v in c.cell.items() if k != "algorithm.variant"]  # fmt: skip
+    return (*rest, c.variant != "ppo", c.variant)
+
+
 def cells_markdown(cells: list[CellSummary], rule: CollapseRule, final_window: int) -> str:
     """The per-cell table as markdown, with how to read it underneath."""
+    keys = list(cells[0].cell) if cells else []
     head = (
-        "| variant | staleness | runs | steps | final success (mean ± sd) | 95% CI ± | "
-        "p vs ppo | val success (end) | collapsed | clip ratio | max token \\|log ratio\\| | "
-        "approx KL | scale s (mean / min) | exact lag |"
+        "| " + " | ".join(k.rsplit(".", 1)[-1] for k in keys) + " | runs | steps | "
+        "val success IQM [95% CI] | val gain (end - start) mean [95% CI] | "
+        "train success IQM [95% CI] | P(improve over ppo) [95% CI] | collapsed [Wilson 95%] | "
+        "clip ratio | approx KL | scale s (mean / min) | exact lag |"
     )
-    lines = [head, "|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---|---:|"]
-    for c in sorted(cells, key=lambda c: (c.max_staleness, c.variant)):
+    lines = [head, "|" + "---|" * len(keys) + "---:|---:|---|---|---|---|---|---:|---:|---|---:|"]
+    for c in sorted(cells, key=_sort_key):
         lines.append(
-            f"| {c.variant} | {c.max_staleness} | {c.runs} | {c.steps_mean:.0f} | "
-            f"{_f(c.final_success_mean)} ± {_f(c.final_success_sd)} | {_f(c.final_success_ci95)} | "
-            f"{_f(c.p_vs_ppo, 2)} | {_f(c.val_success_mean)} ± {_f(c.val_success_sd)} | "
-            f"{c.collapsed}/{c.judged} | {_f(c.clip_ratio)} | {_f(c.token_log_ratio_max, 2)} | "
+            "| " + " | ".join(str(v) for v in c.cell.values()) + f" | {c.runs} | "
+            f"{c.steps_mean:.0f} | {_f(c.val_success_iqm)} {_ci(c.val_success_iqm_ci)} | "
+            f"{_f(c.val_gain_mean)} {_ci(c.val_gain_ci)} | "
+            f"{_f(c.final_success_iqm)} {_ci(c.final_success_iqm_ci)} | "
+            f"{_f(c.poi_vs_ppo, 2)} {_ci(c.poi_vs_ppo_ci)} | "
+            f"{c.collapsed}/{c.judged} {_ci(c.collapse_ci)} | {_f(c.clip_ratio, 4)} | "
             f"{_f(c.approx_kl, 4)} | {_f(c.clip_bias_scale_mean)} / {_f(c.clip_bias_scale_min)} | "
             f"{_f(c.exact_staleness_share, 2)} |"
         )
     lines += [
         "",
-        f"Final success: training success over each run's last {final_window} steps, mean ± sd "
-        "over seeds; p: Welch's t-test against ppo at the same staleness. Collapsed: "
+        "Val success: greedy success on the held-out questions at the end of each run; IQM "
+        "(mean of the middle 50% of seeds) with a 95% percentile-bootstrap interval over seeds. "
+        "Val gain: end minus start of the same evaluation, mean over seeds, bootstrap interval. "
+        f"Train success: training success over each run's last {final_window} steps, IQM. "
+        "P(improve over ppo): probability that a run of this variant ends with higher val "
+        "success than a ppo run of the same cell otherwise (ties count half), with a 95% "
+        "stratified-bootstrap interval. Collapsed: "
         f"smoothed ({rule.window} steps) success at least {rule.drop} below its best on each "
-        f"of the last {rule.last_k} steps, or smoothed malformed share >= {rule.malformed}. "
-        "Max token |log ratio|: largest over steps (nats), mean over seeds. Exact lag: share "
-        "of consumed trajectories at staleness min(step - 1, max_staleness).",
+        f"of the last {rule.last_k} steps, or smoothed malformed share >= {rule.malformed}; "
+        "Wilson interval. Clip ratio: fraction of tokens whose clip acted, mean over steps and "
+        "seeds. Exact lag: share of consumed trajectories at staleness min(step - 1, "
+        "max_staleness).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def plot_intervals(cells: list[CellSummary], path: Path) -> Path:
+    """Three panels, one row per cell: val-success IQM, probability of improvement over ppo
+    and collapse rate, each a point with its 95% interval as an error bar (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ordered = sorted(cells, key=_sort_key)
+    labels = [cell_label(c.cell) for c in ordered]
+    panels = (
+        ("final val success (IQM)", "val_success_iqm", "val_success_iqm_ci", None),
+        ("P(improvement over ppo)", "poi_vs_ppo", "poi_vs_ppo_ci", 0.5),
+        ("collapse rate (Wilson)", None, "collapse_ci", None),
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(14, 0.45 * len(ordered) + 1.6), sharey=True)
+    y = list(range(len(ordered)))[::-1]
+    for ax, (title, attr, ci_attr, ref) in zip(axes, panels, strict=True):
+        for yi, c in zip(y, ordered, strict=True):
+            value = (
+                (c.collapsed / c.judged if c.judged else math.nan)
+                if attr is None
+                else getattr(c, attr)
+            )
+            low, high = getattr(c, ci_attr)
+            if math.isnan(value):
+                continue
+            color = f"C{sorted({x.variant for x in ordered}).index(c.variant)}"
+            err = [[value - low], [high - value]] if not math.isnan(low) else None
+            ax.errorbar(value, yi, xerr=err, fmt="o", color=color, capsize=3)
+        if ref is not None:
+            ax.axvline(ref, color="grey", linestyle="--", linewidth=1)
+        ax.set_xlim(-0.02, 1.02)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_yticks(y, labels, fontsize=8)
+    fig.suptitle("per cell, 95% intervals over seeds (bootstrap; Wilson for collapse)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 ROWS: tuple[tuple[str, str], ...] = (
@@ -250,15 +484,15 @@ ROWS: tuple[tuple[str, str], ...] = (
 
 def plot_cells(runs: list[RunStats], path: Path, window: int = 10) -> Path:
     """Success (top row) and malformed-answer share (bottom row) per learner step, smoothed
-    over ``window`` steps: mean and ±1 sd band over seeds per variant, one column per
-    staleness (PNG)."""
+    over ``window`` steps: mean and ±1 sd band over seeds per line (the cell without its
+    staleness: variant / objective), one column per staleness (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lags = sorted({r.max_staleness for r in runs})
-    variants = list(dict.fromkeys(r.variant for r in runs))
+    variants = list(dict.fromkeys(_line_label(r) for r in runs))
     fig, axes = plt.subplots(
         len(ROWS), len(lags), figsize=(5 * len(lags), 3.6 * len(ROWS)), sharey="row", squeeze=False
     )
@@ -277,6 +511,12 @@ def plot_cells(runs: list[RunStats], path: Path, window: int = 10) -> Path:
     return path
 
 
+def _line_label(run: RunStats) -> str:
+    """A run's line in the curve figure: its cell without the staleness (one panel each)."""
+    rest = {k: v for k, v in run.cell.items() if k != "buffer.max_staleness"}
+    return cell_label(rest) if rest else run.variant
+
+
 def _plot_panel(ax, runs: list[RunStats], row: str, lag: int, variants: list[str], window: int):
     """One panel: ``row`` curves of the runs at staleness ``lag``, mean and ±1 sd per variant."""
     import numpy as np
@@ -285,7 +525,7 @@ def _plot_panel(ax, runs: list[RunStats], row: str, lag: int, variants: list[str
 
     for i, variant in enumerate(variants):
         curves = [smooth(getattr(r, row), window) for r in runs
-                  if r.variant == variant and r.max_staleness == lag and getattr(r, row)]  # fmt: skip
+                  if _line_label(r) == variant and r.max_staleness == lag and getattr(r, row)]  # fmt: skip
         if not curves:
             continue
         n = min(len(c) for c in curves)
@@ -304,19 +544,42 @@ def _plot_panel(ax, runs: list[RunStats], row: str, lag: int, variants: list[str
 
 
 def write_cells(
-    run_dirs: list[Path], rule: CollapseRule, out_dir: Path, final_window: int = 10
+    run_dirs: list[Path],
+    rule: CollapseRule,
+    out_dir: Path,
+    final_window: int = 10,
+    cell_keys: tuple[str, ...] = CELL_KEYS,
 ) -> tuple[Path, Path, Path | None]:
-    """``cells.json``, ``cells.md`` and ``cells.png`` under ``out_dir`` from the runs that
-    have a ``config.json``; returns their paths (figure None when no run has a step)."""
-    runs = [run_stats(d, rule, final_window) for d in run_dirs if (d / "config.json").exists()]
+    """``cells.json``, ``cells.md``, ``cells.png`` (curves) and ``cells_intervals.png``
+    under ``out_dir`` from the finished runs (a ``config.json`` and a final evaluation; a
+    run still in progress or stopped early would bias its cell and is only listed, as
+    ``unfinished`` in ``cells.json``); returns the paths of the first three (figure None
+    when no run has a step)."""
+    started = [d for d in run_dirs if (d / "config.json").exists()]
+    stats = [run_stats(d, rule, final_window, cell_keys) for d in started]
+    runs = [r for r in stats if r.finished]
+    unfinished = [d.name for d, r in zip(started, stats, strict=True) if not r.finished]
     cells = cell_summaries(runs)
     out_dir.mkdir(parents=True, exist_ok=True)
-    safe = [{k: (None if isinstance(v, float) and math.isnan(v) else v)
-             for k, v in asdict(c).items()} for c in cells]  # fmt: skip
+
+    def safe(v: Any) -> Any:
+        if isinstance(v, float) and math.isnan(v):
+            return None
+        if isinstance(v, tuple | list):
+            return [safe(x) for x in v]
+        return v
+
+    rows = [{k: safe(v) for k, v in asdict(c).items()} for c in cells]
     json_path = out_dir / "cells.json"
-    json_path.write_text(json.dumps({"final_window": final_window, "cells": safe}, indent=2) + "\n")
+    meta = {"final_window": final_window, "confidence": CONFIDENCE,
+            "bootstrap": {"method": "percentile", "n_resamples": N_RESAMPLES, "seed": BOOTSTRAP_SEED},
+            "collapse_rule": rule.model_dump()}  # fmt: skip
+    meta["unfinished"] = unfinished
+    json_path.write_text(json.dumps({**meta, "cells": rows}, indent=2) + "\n")
     md_path = out_dir / "cells.md"
     md_path.write_text(cells_markdown(cells, rule, final_window))
     with_steps = [r for r in runs if r.success_curve]
     figure = plot_cells(with_steps, out_dir / "cells.png") if with_steps else None
+    if cells:
+        plot_intervals(cells, out_dir / "cells_intervals.png")
     return json_path, md_path, figure

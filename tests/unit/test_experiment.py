@@ -207,6 +207,28 @@ def test_shared_warm_start_plan(tmp_path: Path):
     assert all(r.config.sft.enabled for r in plan_runs(spec, "exp", tmp_path))
 
 
+def test_exclude_leaves_out_matching_points_only(tmp_path: Path):
+    spec = ExperimentSpec(
+        grid={"algorithm.off_policy": ["decoupled", "behavior"], "buffer.max_staleness": [8, 0]},
+        exclude=[{"algorithm.off_policy": "behavior", "buffer.max_staleness": 0}],
+        overrides={"algorithm.variant": "ppo"},
+        num_steps=1,
+    )
+    # 2 x 2 points, one excluded: the three others in grid order
+    assert [r.name for r in plan_runs(spec, "x", tmp_path)] == [
+        "off_policy-decoupled_max_staleness-8_seed-0",
+        "off_policy-decoupled_max_staleness-0_seed-0",
+        "off_policy-behavior_max_staleness-8_seed-0",
+    ]
+    with pytest.raises(ValueError, match=r"exclude entry .*\['run\.seed'\]"):
+        ExperimentSpec(grid={"buffer.max_staleness": [0]}, exclude=[{"run.seed": 0}])
+    # the shipped answer grid: behavior / 0 is not run
+    answer = load_experiment(experiment_path("stability_answer"))
+    names = [r.name for r in plan_runs(answer, "a", tmp_path)]
+    assert len(names) == 6 * len(answer.seeds)
+    assert not [n for n in names if "behavior_max_staleness-0" in n]
+
+
 @pytest.mark.parametrize("path", sorted(EXPERIMENTS_DIR.glob("*.toml")), ids=lambda p: p.stem)
 def test_every_experiment_toml_plans(path: Path):
     spec = load_experiment(path)

@@ -11,7 +11,16 @@ import pytest
 
 from services.config import ConfigError, load_config
 from services.experiment import CollapseRule, ExperimentSpec, plan_runs
-from services.stability import cell_summaries, run_stats, welch_p
+from services.stability import (
+    cell_summaries,
+    iqm,
+    iqm_ci,
+    mean_ci,
+    poi_ci,
+    probability_of_improvement,
+    run_stats,
+    wilson_ci,
+)
 from services.synthetic_task import make_records, qa_records
 
 
@@ -59,10 +68,65 @@ def test_seed_major_order_covers_every_point_first():
     assert [r.seed for r in default] == [0, 1, 0, 1, 0, 1, 0, 1]
 
 
-def test_welch_p():
-    assert welch_p([0.1, 0.2, 0.3], [0.1, 0.2, 0.3]) == pytest.approx(1.0)
-    assert welch_p([0.0, 0.01, 0.02], [0.9, 0.91, 0.92]) < 1e-4
-    assert math.isnan(welch_p([0.1], [0.2, 0.3]))
+def test_iqm_is_the_mean_of_the_middle_half():
+    # 8 values: floor(0.25 * 8) = 2 cut from each end -> mean(2, 3, 4, 5) = 3.5; the
+    # outlier 100 does not move it, the plain mean (3 + 100/8 ...) would
+    assert iqm([0, 1, 2, 3, 4, 5, 6, 7]) == pytest.approx(3.5)
+    assert iqm([0, 1, 2, 3, 4, 5, 6, 100]) == pytest.approx(3.5)
+    # 4 values: 1 cut from each end -> mean(0.2, 0.3) = 0.25; NaN ignored
+    assert iqm([0.9, 0.2, 0.3, 0.0, math.nan]) == pytest.approx(0.25)
+    assert math.isnan(iqm([]))
+
+
+def test_bootstrap_intervals_cover_and_degenerate_cleanly():
+    low, high = iqm_ci([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+    # IQM 0.55 (mean of 0.3..0.8); a resample's IQM stays within the data's range
+    assert 0.1 <= low < 0.55 < high <= 1.0
+    assert iqm_ci([0.4, 0.4, 0.4]) == pytest.approx((0.4, 0.4))  # every resample gives 0.4
+    assert all(math.isnan(v) for v in iqm_ci([0.4]))
+    # gains all positive: the interval of the mean excludes zero
+    low, high = mean_ci([0.05, 0.08, 0.1, 0.12, 0.07])
+    assert low >= 0.05 and high <= 0.12 and low > 0
+
+
+def test_probability_of_improvement():
+    # x beats y in 4 of 9 pairs (1>0, 2>0, 3>0, 3>2) and ties one (2=2): (4 + 0.5) / 9
+    assert probability_of_improvement([1, 2, 3], [0, 2, 5]) == pytest.approx(4.5 / 9)
+    # clearly separated samples: 1 (every pair won), interval [1, 1]; reversed: 0
+    high, low = [0.8, 0.85, 0.9, 0.95], [0.1, 0.15, 0.2]
+    assert probability_of_improvement(high, low) == 1.0 and poi_ci(high, low) == (1.0, 1.0)
+    assert probability_of_improvement(low, high) == 0.0
+    # identical samples: 0.5, and the interval holds 0.5
+    same = [0.1, 0.5, 0.9, 0.3]
+    assert probability_of_improvement(same, same) == pytest.approx(0.5)
+    lo, hi = poi_ci(same, same)
+    assert lo < 0.5 < hi
+    assert math.isnan(probability_of_improvement([], [0.1]))
+
+
+def test_vectorised_poi_equals_scipy_mann_whitney_on_ties_and_batches():
+    """The bootstrap's vectorised statistic == the scipy point estimate, per resample row."""
+    import numpy as np
+
+    from services.stability import _poi_axis
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 4, size=(5, 7)) / 4  # many ties
+    y = rng.integers(0, 4, size=(5, 6)) / 4
+    rows = _poi_axis(x, y, axis=-1)
+    for i in range(5):
+        assert rows[i] == pytest.approx(probability_of_improvement(list(x[i]), list(y[i])))
+
+
+def test_wilson_interval_known_answers():
+    # Wilson, z = 1.959964: centre (p + z^2/2n) / (1 + z^2/n) = (0.5 + 0.19207) / 1.38415 = 0.5,
+    # half-width z / (1 + z^2/n) * sqrt(p(1-p)/n + z^2/4n^2) = 1.41600 * 0.186021 = 0.263406
+    assert wilson_ci(5, 10) == pytest.approx((0.236594, 0.763406), abs=1e-6)
+    # k = 0: low 0, high = (z^2/n) / (1 + z^2/n) = 0.384146 / 1.384146 = 0.277533
+    assert wilson_ci(0, 10) == pytest.approx((0.0, 0.277533), abs=1e-6)
+    assert all(math.isnan(v) for v in wilson_ci(0, 0))
+    with pytest.raises(ValueError):
+        wilson_ci(3, 2)
 
 
 def _fake_run(root: Path, name: str, variant: str, lag: int, success: list[float]) -> Path:
@@ -77,7 +141,11 @@ def _fake_run(root: Path, name: str, variant: str, lag: int, success: list[float
     consumed = [{"step": i + 1, "staleness": [min(i, lag)] * 2} for i in range(len(success))]
     consumed[-1]["staleness"][0] = lag + 1  # one trajectory off the promised lag
     (run / "consumed.jsonl").write_text("".join(json.dumps(c) + "\n" for c in consumed))
-    (run / "eval.jsonl").write_text(json.dumps({"tag": "end", "success_rate": success[-1]}) + "\n")
+    evals = [
+        {"tag": "start", "success_rate": success[0]},
+        {"tag": "end", "success_rate": success[-1]},
+    ]
+    (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
     return run
 
 
@@ -92,10 +160,18 @@ def test_cell_summaries(tmp_path: Path):
     ]
     cells = {c.variant: c for c in cell_summaries(runs)}
     ppo, st = cells["ppo"], cells["st_ppo"]
-    assert ppo.runs == 2 and ppo.final_success_mean == pytest.approx(0.5)
-    assert ppo.final_success_sd == pytest.approx(math.sqrt(0.02))
+    # final training success (last 2 steps): 0.6 and 0.4 -> IQM of 2 values cuts none: 0.5
+    assert ppo.runs == 2 and ppo.final_success_iqm == pytest.approx(0.5)
+    # val success (end) 0.6 and 0.4, started at 0.2 both: gains 0.4 and 0.2
+    assert ppo.val_success_sd == pytest.approx(math.sqrt(0.02))
+    assert ppo.val_gain_mean == pytest.approx(0.3) and ppo.val_start_mean == pytest.approx(0.2)
     assert (ppo.collapsed, ppo.judged, st.collapsed, st.judged) == (0, 2, 1, 1)
-    assert st.final_success_mean == pytest.approx(0.25) and math.isnan(st.p_vs_ppo)
+    assert ppo.collapse_ci == pytest.approx(wilson_ci(0, 2))
+    assert st.final_success_iqm == pytest.approx(0.25)
+    # st_ppo's one run ends at 0.2, below both ppo runs (0.6, 0.4): P(improve) = 0
+    assert st.poi_vs_ppo == 0.0 and math.isnan(ppo.poi_vs_ppo)
+    assert st.cell == {"algorithm.variant": "st_ppo", "algorithm.off_policy": None,
+                       "buffer.max_staleness": 2}  # fmt: skip
     assert ppo.token_log_ratio_max == pytest.approx(4.5)
     assert ppo.exact_staleness_share == pytest.approx(9 / 10)
     assert st.clip_bias_scale_min == pytest.approx(0.9)
@@ -114,3 +190,25 @@ def test_tokenizer_ids_and_codes_are_single_tokens_and_round_trip():
     assert tok.decode(ids) == text
     pieces = tok.convert_ids_to_tokens(ids)
     assert pieces.count(r.rid) == 2 and r.code in pieces and r.link in pieces
+
+
+def test_write_cells_leaves_unfinished_runs_out_and_draws_intervals(tmp_path: Path):
+    from services.stability import write_cells
+
+    rule = CollapseRule(drop=0.3, last_k=2, window=1)
+    done = [_fake_run(tmp_path, f"p{i}", "ppo", 0, [0.2, 0.4, 0.5 + 0.1 * i]) for i in range(3)]
+    done += [_fake_run(tmp_path, f"s{i}", "st_ppo", 0, [0.2, 0.3, 0.1 * i]) for i in range(3)]
+    running = _fake_run(tmp_path, "s9", "st_ppo", 0, [0.2, 0.0])
+    (running / "eval.jsonl").write_text(json.dumps({"tag": "start", "success_rate": 0.2}) + "\n")
+    json_path, md_path, figure = write_cells([*done, running], rule, tmp_path / "out")
+    payload = json.loads(json_path.read_text())
+    assert payload["unfinished"] == ["s9"]
+    cells = {c["variant"]: c for c in payload["cells"]}
+    assert cells["st_ppo"]["runs"] == 3
+    # ppo ends at 0.5, 0.6, 0.7; st_ppo at 0.0, 0.1, 0.2: every pair lost -> 0, interval [0, 0]
+    assert cells["st_ppo"]["poi_vs_ppo"] == 0.0 and cells["st_ppo"]["poi_vs_ppo_ci"] == [0.0, 0.0]
+    # val gain of ppo: 0.3, 0.4, 0.5 over a start of 0.2 -> mean 0.4, interval inside [0.3, 0.5]
+    low, high = cells["ppo"]["val_gain_ci"]
+    assert cells["ppo"]["val_gain_mean"] == pytest.approx(0.4) and 0.3 <= low < high <= 0.5
+    assert "| st_ppo | None | 0 | 3 |" in md_path.read_text()
+    assert figure is not None and (tmp_path / "out" / "cells_intervals.png").stat().st_size > 5_000
