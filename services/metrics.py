@@ -361,7 +361,11 @@ class TrainingMetrics:
         if any(int(k) < 0 or int(n) < 0 for k, n in counts.items()):
             raise ValueError(f"token staleness counts must be non-negative, got {dict(counts)}")
         for k, n in counts.items():
-            label = str(int(k)) if k <= int(STALENESS_BUCKETS[-1]) else f"{int(STALENESS_BUCKETS[-1]) + 1}+"
+            label = (
+                str(int(k))
+                if k <= int(STALENESS_BUCKETS[-1])
+                else f"{int(STALENESS_BUCKETS[-1]) + 1}+"
+            )
             self.consumed_policy_tokens_total.labels(staleness=label).inc(n)
 
     # ------------------------------------------------------------------ service state

@@ -33,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-
 ENGINE_WEIGHTS_GROUP = "weights"
 """The rollout actor's concurrency group for weight calls (:mod:`services.ray_actors`): a
 thread of its own, so a load reaches the engine while a rollout runs and is applied at the
@@ -284,8 +283,7 @@ class CollectiveWeightSync:
         weights_ref, version_ref = self._learner.export_weights.options(num_returns=2).remote()
         self._members = []  # re-form at the next push, with every engine
         return [
-            engine_weights_call(e, "load_weights").remote(weights_ref, version_ref)
-            for e in engines
+            engine_weights_call(e, "load_weights").remote(weights_ref, version_ref) for e in engines
         ]
 
     def on_broken_sync(self, error: Exception) -> bool:

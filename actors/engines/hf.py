@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    DynamicCache,
     AutoTokenizer,
+    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -45,7 +45,6 @@ from transformers import (
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from actors.engines.interrupt import Interrupt
-
 from actors.engines.protocol import (
     GenerationResult,
     SamplingParams,
@@ -316,9 +315,7 @@ class HFEngine:
             warpers.append(TemperatureLogitsWarper(params.temperature))
             if params.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(params.top_p))
-        stopper = (
-            _StopOnStrings(self.tokenizer, params.stop, ids.shape[1]) if params.stop else None
-        )
+        stopper = _StopOnStrings(self.tokenizer, params.stop, ids.shape[1]) if params.stop else None
         eos = torch.tensor(sorted(self.eos_ids), device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         tokens: list[torch.Tensor] = []  # long [B] per step

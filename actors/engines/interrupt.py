@@ -129,9 +129,7 @@ class WeightGate:
         finally:
             self._lock.acquire()
 
-    def wait_for_version(
-        self, current: Callable[[], int], at_least: int, timeout_s: float
-    ) -> int:
+    def wait_for_version(self, current: Callable[[], int], at_least: int, timeout_s: float) -> int:
         """Block until ``current() >= at_least`` (a load queued on the loader thread has
         landed), at most ``timeout_s`` seconds; return ``current()``.
 

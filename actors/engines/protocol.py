@@ -20,6 +20,7 @@ No torch import here: the module is part of the Ray-free wire contract.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
@@ -181,7 +182,7 @@ def check_token_versions(versions: list[int], n: int, first: int) -> None:
         raise ValueError(f"token_versions has {len(versions)} entries for {n} tokens")
     if versions and versions[0] < first:
         raise ValueError(f"token_versions start at {versions[0]} < policy_version {first}")
-    if any(b < a for a, b in zip(versions, versions[1:])):
+    if any(b < a for a, b in itertools.pairwise(versions)):
         raise ValueError("token_versions must be non-decreasing (weights never go back)")
 
 

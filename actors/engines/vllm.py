@@ -195,7 +195,9 @@ class VLLMEngine:
             if params.seed is not None:
                 sampling.seed = params.seed + i + 100_003 * (row.segment - 1)
             rid = f"stppo-{self._calls}-{i}-{row.segment}"
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=row.prompt + row.tokens), sampling)
+            engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=row.prompt + row.tokens), sampling
+            )
             running[rid] = i
 
         for i in range(len(rows)):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
+
 import numpy as np
 import pytest
 
@@ -256,8 +257,10 @@ def test_may_take_waits_only_for_older_in_flight():
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("rollout", ["slow", "mixed"])
-@pytest.mark.parametrize(("s", "actors", "per_call", "batch", "every_k"),
-                         [(0, 3, 4, 8, 1), (1, 4, 2, 8, 1), (2, 3, 2, 4, 2), (4, 5, 8, 8, 2)])
+@pytest.mark.parametrize(
+    ("s", "actors", "per_call", "batch", "every_k"),
+    [(0, 3, 4, 8, 1), (1, 4, 2, 8, 1), (2, 3, 2, 4, 2), (4, 5, 8, 8, 2)],
+)
 def test_updates_landing_mid_turn_keep_the_bound_exact(
     seed, rollout, s, actors, per_call, batch, every_k
 ):

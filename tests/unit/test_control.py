@@ -130,7 +130,7 @@ def test_interrupt_every_tokens_is_live_and_refused_under_fixed_lag():
     assert new.rollout.interrupt_every_tokens == 16
     assert changed_fields(load_config(), new) == ["rollout.interrupt_every_tokens"]
     lagged = ControlState(config=load_config(None, ["sync.fixed_lag=true"]))
-    with pytest.raises(ConfigError, match="must be 0 with sync.fixed_lag"):
+    with pytest.raises(ConfigError, match=r"must be 0 with sync\.fixed_lag"):
         lagged.request_change({"rollout": {"interrupt_every_tokens": 16}})
 
 

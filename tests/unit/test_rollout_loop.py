@@ -265,7 +265,7 @@ TURN0 = "<think>I should look this up first.</think><search>q</search>"
 def test_load_weights_returns_its_seconds_not_the_version(tok):
     """The driver adds the ack to the export time of ``stppo_weight_sync_seconds``: a
     version number there (it was) read as seconds."""
-    worker, engine = interruptible_worker(tok, {}, 0)
+    worker, _engine = interruptible_worker(tok, {}, 0)
     took = worker.load_weights({}, 7)
     assert isinstance(took, float) and 0.0 <= took < 5.0
     assert worker.get_policy_version() == 7
@@ -291,7 +291,7 @@ def test_an_update_lands_mid_turn_and_later_tokens_carry_it(tok):
 
 
 def test_an_update_waiting_between_turns_lands_before_the_next_turn(tok):
-    worker, engine = interruptible_worker(tok, {"Q?": [TURN0, "<answer>Lima</answer>"]}, 1000)
+    worker, _engine = interruptible_worker(tok, {"Q?": [TURN0, "<answer>Lima</answer>"]}, 1000)
     threads = []
     retrieve = worker.client.retrieve
 
@@ -329,7 +329,7 @@ def test_with_interruption_off_a_load_waits_for_the_whole_batch(tok):
 
 
 def test_a_rollout_waits_for_the_version_it_was_admitted_at(tok):
-    worker, engine = interruptible_worker(
+    worker, _engine = interruptible_worker(
         tok, {"Q?": ["<answer>Lima</answer>"]}, 4, weight_wait_timeout_s=0.3
     )
     with pytest.raises(TimeoutError, match="policy_version 2 did not arrive"):
