@@ -293,7 +293,10 @@ class CollectiveWeightSync:
         text = str(error)
         if not any(sign in text for sign in _PEER_LOST):
             return False
-        self._members = []
+        # the members still waiting in this broadcast (the learner's side broke, theirs
+        # did not) must give up too: forgetting the group alone left a surviving engine in
+        # its receive until collective_timeout_s, and its next rollout waiting behind it
+        self._abort(None, "the broadcast broke (a member was lost)")
         return True
 
     def on_member_lost(self, engine: Any, reason: str) -> None:
@@ -301,6 +304,11 @@ class CollectiveWeightSync:
         broadcast raises :class:`actors.weight_group.GroupAborted` (instead of waiting for
         the lost one until ``collective_timeout_s``), and the next :meth:`push` forms the
         group again from the engines that are left."""
+        self._abort(engine, reason)
+
+    def _abort(self, engine: Any, reason: str) -> None:
+        """Abort the formed group (once) if ``engine`` (``None``: any) is a member, and
+        forget it."""
         with self._lock:  # the watcher thread and the driver may both get here
             if not self._members or self._store_address is None:
                 return
