@@ -43,7 +43,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from services.local_cluster import LocalCluster
+from services.experiment import read_jsonl
+from services.local_cluster import HEAD_SERVICE, LocalCluster
 
 ERROR_LINE = re.compile(r"Traceback|\bERROR\b")
 
@@ -140,9 +141,7 @@ def summarise(
         series.setdefault(key, []).append((row["t_s"], row["rss_mib"]))
         label = row["process"]
         labels[key] = label.split(".")[0] if label.startswith("ray::") else label
-    steps_file = out / "steps.jsonl"
-    text = steps_file.read_text() if steps_file.exists() else ""
-    steps = [json.loads(x) for x in text.splitlines() if x.strip()]
+    steps = read_jsonl(out / "steps.jsonl", step_key="step")
     per_process = []
     for key, points in sorted(series.items()):
         g = growth(points, first_step_s + 60.0 * warmup_min)
@@ -219,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     proc = cluster.popen("client", cluster.submit_command(entry, submission_id=job_id), log)
     samples_path = args.out / "rss.jsonl"
     job_start = time.monotonic()
-    steps_path = cluster.state_dir / "shared" / "runs" / "soak" / "steps.jsonl"
+    run_dir = cluster.state_dir / "shared" / "runs" / "soak"
+    steps_path = run_dir / "steps.jsonl"
     deadline = first_step = None  # --minutes of training, counted from the first step
     ended_early = None
     try:
@@ -239,11 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{now / 60:5.1f} min: sampled", flush=True)
                 left = args.sample_s if deadline is None else deadline - time.monotonic()
                 time.sleep(max(0.0, min(args.sample_s, left)))
-        cluster.exec("client", ["ray", "job", "stop", "--address=http://stppo-head-svc:8265",
-                                job_id], timeout=120)  # fmt: skip
+        stop = ["ray", "job", "stop", f"--address=http://{HEAD_SERVICE}:8265", job_id]
+        cluster.exec("client", stop, timeout=120)
         proc.wait(timeout=120)
     finally:
-        run_dir = cluster.state_dir / "shared" / "runs" / "soak"
         for name in ("steps.jsonl", "consumed.jsonl"):
             if (run_dir / name).exists():
                 shutil.copy(run_dir / name, args.out / name)
