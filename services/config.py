@@ -265,6 +265,13 @@ class RayConfig(StrictModel):
     learner_gpus: float = Field(0.0, ge=0.0)
     """GPUs reserved per learner rank (1 on GPU nodes: ``learner.num_ranks`` GPUs in all)."""
 
+    learner_threads: int = Field(0, ge=0, le=1024)
+    """torch/OpenMP threads of each learner rank (``OMP_NUM_THREADS`` in its runtime env);
+    0: Ray's default, ``learner_cpus`` rounded (at least 1). Above ``learner_cpus`` the
+    learner also uses cores reserved for the rollout actors: worth it where they idle most
+    of a step (the main job's rollout takes ~7 s of a ~45 s step), at the price of the two
+    competing while both run."""
+
     rollout_actor_resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources per rollout actor (name -> amount > 0), e.g. ``{stppo_rollout = 1}``:
     the rollout worker group advertises them (``rayStartParams.resources``), so the actors

@@ -22,12 +22,15 @@ _ACTOR_ENV_VARS = (
 )  # fmt: skip
 
 
-def _actor_env() -> dict[str, Any]:
+def _actor_env(threads: int = 0) -> dict[str, Any]:
     """Runtime env passing the driver's cache folders and offline mode to actors explicitly,
-    so a worker started on another node of a KubeRay cluster behaves the same."""
+    so a worker started on another node of a KubeRay cluster behaves the same. ``threads``
+    > 0 sets the actor's OpenMP/torch thread count (Ray's default is its ``num_cpus``)."""
     configure_local_caches()
     env = {k: os.environ[k] for k in _ACTOR_ENV_VARS if k in os.environ}
     env["TOKENIZERS_PARALLELISM"] = "false"
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = str(threads)
     return {"env_vars": env}
 
 
@@ -56,7 +59,7 @@ def learner_actor_options(cfg: RunConfig, rank: int = 0) -> dict[str, Any]:
         "num_gpus": cfg.ray.learner_gpus,
         "resources": dict(cfg.ray.learner_resources),
         "max_restarts": 0,
-        "runtime_env": _actor_env(),
+        "runtime_env": _actor_env(threads=cfg.ray.learner_threads),
     }
 
 

@@ -117,3 +117,29 @@ def test_group_exports_checkpoints_resumes_and_fails_clearly(ray_cluster, tiny_l
             ray.get(single.load_checkpoint.remote(str(checkpoint)))
     finally:
         single.shutdown()
+
+
+def test_learner_threads_sets_the_ranks_torch_threads(ray_cluster, tiny_llama_dir):
+    """``ray.learner_threads`` reaches the learner actor's torch (Ray's own default is the
+    actor's ``num_cpus``: 1 here), so the learner can use cores the rollout leaves idle."""
+    import ray
+
+    from services.ray_actors import learner_actor_options
+
+    class Probe:  # defined here so Ray ships it by value (workers cannot import tests/)
+        def threads(self) -> int:
+            import torch
+
+            return torch.get_num_threads()
+
+    found = {}
+    for threads in (0, 2):
+        cfg = load_config(
+            None,
+            [f"model.path={tiny_llama_dir}", f"run.name=threads{threads}",
+             "ray.learner_cpus=1", f"ray.learner_threads={threads}"],
+        )  # fmt: skip
+        probe = ray.remote(Probe).options(**learner_actor_options(cfg)).remote()
+        found[threads] = ray.get(probe.threads.remote(), timeout=120)
+        ray.kill(probe)
+    assert found == {0: 1, 2: 2}
