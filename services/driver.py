@@ -143,6 +143,7 @@ class Driver:
         self._sync: Any = None
         self._pending_acks: dict[Any, tuple[float, float]] = {}
         self._revival_acks: dict[Any, RolloutSlot] = {}  # weight loads queued on lost actors
+        self._resynced_sync: Any = None  # the broken sync last re-sent to the survivors
         self._rollout_tokens = 0
         self._rollout_trajs = 0
         self._rollout_durations_s: list[float] = []
@@ -912,13 +913,29 @@ class Driver:
             # formed again, and every engine re-synced, at the next sync
             if not self.weight_sync.on_broken_sync(e):
                 raise
-            self.progress.say("weight sync: the collective broadcast broke (an engine died); "
-                              "re-forming the group at the next sync")  # fmt: skip
+            self._resync_after_broken_broadcast()
             return
         if isinstance(load_s, int | float):
             self.metrics.observe_weight_sync(export_s + float(load_s))
         if revived is not None:
             self._on_revived(revived)
+
+    def _resync_after_broken_broadcast(self) -> None:
+        """The engines that survived a broken broadcast did not get ``self._sync``'s weights,
+        yet their next rollouts wait for that version (``min_policy_version``): send them
+        the learner's weights through the object store now, once per broken sync, instead
+        of at the next sync (which may need their trajectories first: the run would stall
+        for ``rollout.weight_wait_timeout_s``). The group is formed again at the next sync."""
+        if self._sync is None or self._resynced_sync is self._sync:
+            return
+        self._resynced_sync = self._sync
+        live = [s for s in self.slots if not s.lost]
+        self.progress.say(
+            "weight sync: the collective broadcast broke (an engine died); re-sending "
+            f"policy_version {self._sync.policy_version} to {len(live)} engine(s) through "
+            "the object store, re-forming the group at the next sync"
+        )
+        self._track_acks(self.weight_sync.push_to(self._sync, [s.handle for s in live]))
 
     def _on_revived(self, slot: RolloutSlot) -> None:
         """A lost actor is back (Ray restarted it and it loaded the weights queued at the
@@ -933,7 +950,9 @@ class Driver:
         if self._sync is not None and behind > 0:
             ray.get(self.weight_sync.push_to(self._sync, [slot.handle]))
             slot.engine_version = self._sync.policy_version
-        node = ray.get(slot.handle.node_address.remote())
+        from services.weight_sync import engine_weights_call
+
+        node = ray.get(engine_weights_call(slot.handle, "node_address").remote())
         self.progress.say(
             f"rollout actor {slot.index} is back on {node} with policy_version "
             f"{slot.engine_version}"

@@ -200,7 +200,9 @@ class CollectiveWeightSync:
     def _try_form_group(self, learner: Any, engines: list[Any]) -> None:
         import ray
 
-        addresses = ray.get([e.node_address.remote() for e in engines])
+        # on the weight thread: the default thread may hold a rollout that waits for the
+        # very version this sync is about to deliver
+        addresses = ray.get([engine_weights_call(e, "node_address").remote() for e in engines])
         host, port = ray.get(learner.weight_group_address.remote())
         world = len(engines) + 1
         names = {0: f"learner ({host})"}
