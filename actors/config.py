@@ -124,5 +124,21 @@ class RolloutConfig(StrictModel):
     """Interface of the engine metrics endpoint (``0.0.0.0`` in a pod, so Prometheus can
     scrape it; the loopback default keeps a laptop's metrics off the network)."""
 
+    interrupt_every_tokens: int = Field(0, ge=0, le=32768)
+    """Interruptible generation (:mod:`actors.engines.interrupt`): 0 (default) = a weight
+    update waits for the running rollout batch to finish (every turn of every episode);
+    N > 0 = it is applied at the next safe point of the batch: between two turns, and
+    within a turn after every N decoded tokens (HF: the KV cache is recomputed under the
+    new weights; vLLM: requests are resumed from their tokens so far). Every token records
+    the version that sampled it, so the learner's ratios stay exact; a trajectory's
+    staleness is its oldest token's. Smaller N lands updates sooner and costs one check
+    (and, when an update lands, one prefill) per N tokens. Not with ``sync.fixed_lag``
+    (its exact lag needs whole batches at one version). Live-tunable (next batch)."""
+
+    weight_wait_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """With ``interrupt_every_tokens > 0``: how long a rollout waits, before it starts,
+    for the weight version the driver pushed to its actor to land (seconds); a timeout
+    fails the rollout (counted as an actor crash)."""
+
     retrieval: RetrievalClientConfig = RetrievalClientConfig()
     """Client settings for the retrieval server."""

@@ -38,6 +38,7 @@ from typing import Protocol
 import numpy as np
 
 from actors.config import RolloutConfig
+from actors.engines.interrupt import Interrupt, WeightGate
 from actors.engines.protocol import STOP_STRINGS, GenerationEngine, GenerationResult, SamplingParams
 from actors.prompts import extract_search_query, information_ids, invalid_search_ids, prompt_ids
 from actors.rendezvous import advertised_host
@@ -76,6 +77,10 @@ class RolloutStats:
         generation_s: Wall seconds inside ``engine.generate``.
         retrieval_s: Wall seconds inside ``/retrieve`` calls.
         wall_s: Wall seconds of the whole rollout (tokenisation, parsing, reward included).
+        num_inflight_weight_updates: Weight updates applied while this rollout ran (at a
+            safe point: mid-turn or between turns; ``rollout.interrupt_every_tokens > 0``).
+        weight_wait_s: Wall seconds the rollout waited, before starting, for the weights
+            the driver pushed to land.
     """
 
     num_trajectories: int = 0
@@ -87,6 +92,8 @@ class RolloutStats:
     generation_s: float = 0.0
     retrieval_s: float = 0.0
     wall_s: float = 0.0
+    num_inflight_weight_updates: int = 0
+    weight_wait_s: float = 0.0
 
     def add(self, other: RolloutStats) -> None:
         """Accumulate another call's counters into this one."""
@@ -113,7 +120,8 @@ class _Episode:
     policy_texts: list[str] = field(default_factory=list)
     queries: list[str | None] = field(default_factory=list)  # per turn, see TurnTranscript
     passages: list[tuple[tuple[str, str], ...]] = field(default_factory=list)  # per turn
-    versions: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per turn: version at its start
+    token_versions: list[int] = field(default_factory=list)  # per response token, -1 env
     num_turns: int = 0
     num_searches: int = 0
     num_invalid_searches: int = 0
@@ -130,11 +138,14 @@ class _Episode:
     def engine_input(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
-    def append_policy(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
+    def append_policy(
+        self, token_ids: list[int], logprobs: list[float], versions: list[int], version: int
+    ) -> None:
         self.response_ids += token_ids
         self.loss_mask += [1] * len(token_ids)
         self.turn_ids += [self.num_turns] * len(token_ids)
         self.logprobs += logprobs
+        self.token_versions += versions
         self.versions.append(version)
         self.queries.append(None)
         self.passages.append(())
@@ -145,6 +156,7 @@ class _Episode:
         self.loss_mask += [0] * len(token_ids)
         self.turn_ids += [-1] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
+        self.token_versions += [-1] * len(token_ids)
 
 
 def check_record(record: Mapping) -> None:
@@ -164,6 +176,7 @@ def run_rollout(
     group_ids: Sequence[str],
     cfg: RolloutConfig,
     temperature: float | None = None,
+    interrupt: Interrupt | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
     """Roll out one episode per record, batched across episodes every turn.
 
@@ -175,6 +188,10 @@ def run_rollout(
         group_ids: Same length as ``records``; episodes of one question share an id.
         cfg: Turn and token budgets, sampling settings, answer normalisation of the reward.
         temperature: Overrides ``cfg.temperature`` (0 = greedy evaluation).
+        interrupt: Safe points for weight updates (:mod:`actors.engines.interrupt`):
+            ``interrupt.safe_point()`` runs before every turn, and the engine gets it for
+            its safe points within a turn. None: weights do not change during the call
+            unless the engine changes them itself.
 
     Returns:
         ``(trajectories, stats)``: validated trajectories in record order, and counters.
@@ -197,7 +214,9 @@ def run_rollout(
         live = [e for e in episodes if not e.done]
         if not live:
             break
-        _generate_turn(engine, tokenizer, live, cfg, temp, stats)
+        if interrupt is not None:
+            interrupt.safe_point()  # between turns: let a pending weight update in
+        _generate_turn(engine, tokenizer, live, cfg, temp, stats, interrupt)
         searching = [e for e in live if e.pending_query is not None]
         if searching:
             _retrieve_turn(client, tokenizer, searching, cfg, stats)
@@ -230,6 +249,7 @@ def _generate_turn(
     cfg: RolloutConfig,
     temperature: float,
     stats: RolloutStats,
+    interrupt: Interrupt | None = None,
 ) -> None:
     """One batched engine call for all live episodes; apply each result."""
     budgets = [_turn_budget(e, cfg) for e in live]
@@ -237,7 +257,11 @@ def _generate_turn(
         max_new_tokens=max(budgets), temperature=temperature, top_p=cfg.top_p, stop=STOP_STRINGS
     )
     t0 = time.perf_counter()
-    results = engine.generate([e.engine_input() for e in live], params)
+    inputs = [e.engine_input() for e in live]
+    if interrupt is None:
+        results = engine.generate(inputs, params)
+    else:
+        results = engine.generate(inputs, params, interrupt=interrupt)
     elapsed = time.perf_counter() - t0
     stats.generation_s += elapsed
     stats.num_engine_calls += 1
@@ -257,10 +281,11 @@ def _apply_generation(
     Returns the number of tokens kept.
     """
     token_ids, logprobs, reason = result.token_ids, result.logprobs, result.finish_reason
-    stop = result.stop_string
+    versions, stop = result.token_versions, result.stop_string
     if len(token_ids) > budget:  # the batch used a larger budget than this episode has
         token_ids, logprobs, reason, stop = token_ids[:budget], logprobs[:budget], "length", None
-    e.append_policy(list(token_ids), list(logprobs), result.policy_version)
+        versions = versions[:budget]
+    e.append_policy(list(token_ids), list(logprobs), list(versions), result.policy_version)
     text = tokenizer.decode(token_ids, skip_special_tokens=False)
     e.policy_texts.append(text)
     if reason == "stop" and stop == "</answer>":
@@ -330,6 +355,8 @@ def _append_environment(e: _Episode, block: list[int], cfg: RolloutConfig) -> No
 def _to_trajectory(tokenizer, e: _Episode, cfg: RolloutConfig) -> Trajectory:
     record = e.record
     failed = e.finish_reason == "retrieval_failed"
+    # the oldest / newest token; an episode without policy tokens: its turns' versions
+    policy_versions = [v for v in e.token_versions if v >= 0] or e.versions
     reward = compute_reward("\n".join(e.policy_texts), record, cfg.answer_normalization)
     return Trajectory(
         prompt_ids=np.asarray(e.prompt_ids, dtype=np.int64),
@@ -341,8 +368,8 @@ def _to_trajectory(tokenizer, e: _Episode, cfg: RolloutConfig) -> Trajectory:
         success=False if failed else reward.success,
         num_searches=e.num_searches,
         num_turns=e.num_turns,
-        policy_version_min=min(e.versions),
-        policy_version_max=max(e.versions),
+        policy_version_min=min(policy_versions),
+        policy_version_max=max(policy_versions),
         group_id=e.group_id,
         question_id=str(record["id"]),
         data_source=str(record["data_source"]),
@@ -357,6 +384,7 @@ def _to_trajectory(tokenizer, e: _Episode, cfg: RolloutConfig) -> Trajectory:
             "retrieval_error": e.retrieval_error,
         },
         transcript=_transcript(e, None if failed else reward.answer, cfg.answer_normalization),
+        token_versions=np.asarray(e.token_versions, dtype=np.int32),
     ).validate()
 
 
@@ -477,6 +505,8 @@ class RolloutWorker:
         self.temperature = rollout_cfg.temperature
         self.total_stats = RolloutStats()
         self.last_stats = RolloutStats()
+        self.gate = WeightGate()
+        self.interrupt_every_tokens = rollout_cfg.interrupt_every_tokens
         self._batches = itertools.count()
         self.engine_metrics_url, self._metrics_server = (None, None)
         if rollout_cfg.engine_metrics_port is not None:
@@ -484,48 +514,99 @@ class RolloutWorker:
                 self.engine, rollout_cfg.engine_metrics_host, rollout_cfg.engine_metrics_port
             )
 
-    def rollout(self, records: list[dict], greedy: bool = False) -> list[Trajectory]:
+    def rollout(
+        self, records: list[dict], greedy: bool = False, min_policy_version: int | None = None
+    ) -> list[Trajectory]:
         """Generate ``group_size`` episodes per record (1 per record when ``greedy``).
+
+        With ``interrupt_every_tokens > 0`` weight loads arriving on another thread are let
+        in at safe points (between turns, every N tokens; :mod:`actors.engines.interrupt`);
+        otherwise they wait for this call to return. The count of those that landed is
+        ``last_stats.num_inflight_weight_updates``, and is also written on the batch's first
+        trajectory (``extra["inflight_weight_updates"]``, 0 on the others: summing over
+        trajectories counts each update once).
 
         Args:
             records: QA records (``id``, ``question``, ``golden_answers``, ``data_source``).
             greedy: Evaluation mode: temperature 0, one episode per record.
+            min_policy_version: Wait until the engine holds at least this version before
+                generating (the driver's last push to this actor, whose load may run on the
+                loader thread after this call started), at most
+                ``rollout.weight_wait_timeout_s``. None: start at once.
 
         Returns:
-            Validated trajectories, grouped by record (``group_id`` shared within a group).
+            Validated trajectories, grouped by record (``group_id`` shared within a group);
+            each token's version is at least ``min_policy_version``.
 
         Raises:
             ValueError: empty ``records`` or a record missing a required key.
+            TimeoutError: ``min_policy_version`` did not land in time.
         """
         if not records:
             raise ValueError("rollout() needs at least one record")
+        waited = time.perf_counter()
+        if min_policy_version is not None:
+            self.gate.wait_for_version(
+                lambda: self.engine.policy_version,
+                min_policy_version,
+                self.cfg.weight_wait_timeout_s,
+            )
+        waited = time.perf_counter() - waited
         batch = next(self._batches)
         group_size = 1 if greedy else self.cfg.group_size
         expanded = [r for r in records for _ in range(group_size)]
         group_ids = [
             f"s{self.seed}-b{batch}-q{i}" for i in range(len(records)) for _ in range(group_size)
         ]
-        trajectories, stats = run_rollout(
-            self.engine,
-            self.tokenizer,
-            self.client,
-            expanded,
-            group_ids,
-            self.cfg,
-            temperature=0.0 if greedy else self.temperature,
-        )
+        every = self.interrupt_every_tokens
+        with self.gate.generating():
+            landed_before = self.gate.num_inflight_updates
+            trajectories, stats = run_rollout(
+                self.engine,
+                self.tokenizer,
+                self.client,
+                expanded,
+                group_ids,
+                self.cfg,
+                temperature=0.0 if greedy else self.temperature,
+                interrupt=self._interrupt(every),
+            )
+            stats.num_inflight_weight_updates = self.gate.num_inflight_updates - landed_before
+        stats.weight_wait_s = waited
+        for k, t in enumerate(trajectories):
+            t.extra["inflight_weight_updates"] = stats.num_inflight_weight_updates if k == 0 else 0
         self.last_stats = stats
         self.total_stats.add(stats)
         return trajectories
 
     def load_weights(self, state_dict: dict, policy_version: int) -> float:
-        """Load new policy weights in place (see the engine); returns the seconds it took
-        (what the driver adds to the export time in ``stppo_weight_sync_seconds``, as
-        :meth:`receive_weights` returns for the collective transport). The new version is
-        :meth:`get_policy_version`."""
+        """Load new policy weights in place (see the engine); returns the seconds from the
+        call to loaded (what the driver adds to the export time in
+        ``stppo_weight_sync_seconds``, as :meth:`receive_weights` returns for the
+        collective transport). The new version is :meth:`get_policy_version`.
+
+        Thread-safe: called on the actor's loader thread while a rollout runs, it waits for
+        the rollout's next safe point (``interrupt_every_tokens > 0``) or its end."""
         started = time.perf_counter()
-        self.engine.load_weights(state_dict, policy_version)
+        with self.gate.updating():
+            self.engine.load_weights(state_dict, policy_version)
         return time.perf_counter() - started
+
+    def _interrupt(self, every_tokens: int) -> Interrupt | None:
+        """The safe points of a rollout with ``interrupt_every_tokens = every_tokens``."""
+        if every_tokens == 0:
+            return None
+        return Interrupt(every_tokens, self.gate.safe_point, lambda: self.gate.update_waiting)
+
+    def set_interrupt_every_tokens(self, every_tokens: int) -> None:
+        """Change ``rollout.interrupt_every_tokens`` (live; from the next rollout on).
+
+        Raises:
+            ValueError: a negative value.
+        """
+        if every_tokens < 0:
+            raise ValueError(f"interrupt_every_tokens must be >= 0, got {every_tokens}")
+        self.interrupt_every_tokens = every_tokens
 
     def join_weight_group(
         self,
@@ -576,9 +657,10 @@ class RolloutWorker:
         group = getattr(self, "_weight_group", None)
         if group is None:
             raise RuntimeError("receive_weights before join_weight_group")
-        version, tensors = group.receive(metas)
+        version, tensors = group.receive(metas)  # needs no gate: the engine is not touched
         started = time.perf_counter()
-        self.engine.load_weights(dict(tensors), version)
+        with self.gate.updating():
+            self.engine.load_weights(dict(tensors), version)
         return time.perf_counter() - started
 
     def get_policy_version(self) -> int:

@@ -12,12 +12,23 @@ Token layout (R = len(response_ids)):
     loss_mask                  [1 1 1 ... 1  ][0 0 0 ... 0                    ][1 1 ... 1    ]
     turn_ids                   [0 0 0 ... 0  ][-1 -1 ... -1                   ][1 1 ... 1    ]
     behavior_logprobs          [lp lp ... lp ][0 0 0 ... 0                    ][lp ... lp    ]
+    token_versions             [v v v ... v+1][-1 -1 ... -1                   ][v+1 ... v+2  ]
 
 Invariants (checked by :meth:`Trajectory.validate`):
 - ``loss_mask[t] == 1`` exactly where ``turn_ids[t] >= 0`` (policy-generated tokens);
 - turn ids are non-decreasing over policy tokens and each turn is one contiguous run;
 - ``behavior_logprobs`` is 0.0 wherever ``loss_mask == 0``;
 - ``policy_version_min <= policy_version_max``;
+- ``token_versions`` (when recorded) is -1 exactly off the policy tokens, non-decreasing
+  over the policy tokens, and its minimum / maximum there are ``policy_version_min`` /
+  ``policy_version_max``. A weight update may land mid-turn (interruptible generation,
+  ``rollout.interrupt_every_tokens``), so one turn can span two versions; each token's
+  ``behavior_logprobs`` entry is its probability under the version that sampled it.
+
+Staleness of a trajectory is defined by its OLDEST token: ``learner_version -
+policy_version_min`` (what admission, the buffer's bound and the ``staleness`` metric use).
+Per token it is ``learner_version - token_versions[t]`` (:meth:`Trajectory.token_staleness`),
+never larger than the trajectory's.
 - a :class:`Transcript`, when present, has one entry per policy turn, its non-empty
   search queries number ``num_searches``, and only a turn that searched has passages.
 
@@ -136,7 +147,7 @@ class Trajectory:
         num_turns: Policy turns generated.
         policy_version_min: Oldest weight version that generated any token of this trajectory.
         policy_version_max: Newest such version (differs from min only if weights changed
-            between turns of this episode).
+            during this episode: between turns, or mid-turn with interruptible generation).
         group_id: Identifies samples of the same question in the same batch (GRPO groups).
         question_id: Stable id of the question (``<data_source>/<split>/<index>``).
         data_source: QA set the question comes from (``single_hop``, ``multi_hop``, ``medical_mc``).
@@ -153,6 +164,10 @@ class Trajectory:
             and ``retrieval_error`` (``"<reason>: <message>"`` when a search failed).
         transcript: The episode's turns, searches, passages and scoring in words
             (:class:`Transcript`), or None (stripped before training, or not recorded).
+        token_versions: int32 [R] or None. The ``policy_version`` that sampled each policy
+            token, -1 on environment tokens. None = not recorded (trajectories built
+            outside the rollout loop): :meth:`policy_token_versions` then reads every
+            policy token as ``policy_version_min`` (the conservative, oldest reading).
     """
 
     prompt_ids: np.ndarray
@@ -177,6 +192,7 @@ class Trajectory:
     answer: str | None = None
     extra: dict = field(default_factory=dict)
     transcript: Transcript | None = None
+    token_versions: np.ndarray | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -191,6 +207,25 @@ class Trajectory:
     def staleness(self, learner_version: int) -> int:
         """``learner_version - policy_version_min``: how many updates old the oldest token is."""
         return learner_version - self.policy_version_min
+
+    def policy_token_versions(self) -> np.ndarray:
+        """int64 [R]: the version that sampled each token, -1 on environment tokens
+        (``policy_version_min`` on every policy token when ``token_versions`` is None)."""
+        if self.token_versions is not None:
+            return np.asarray(self.token_versions, dtype=np.int64)
+        return np.where(self.loss_mask.astype(bool), self.policy_version_min, -1).astype(np.int64)
+
+    def token_staleness(self, learner_version: int) -> np.ndarray:
+        """int64 [num_policy_tokens]: ``learner_version - version`` of each policy token, in
+        order. Its maximum is :meth:`staleness` (the oldest token)."""
+        versions = self.policy_token_versions()
+        return learner_version - versions[self.loss_mask.astype(bool)]
+
+    def version_counts(self) -> dict[int, int]:
+        """version -> number of policy tokens it sampled (tokens per version)."""
+        versions = self.policy_token_versions()
+        values, counts = np.unique(versions[versions >= 0], return_counts=True)
+        return {int(v): int(c) for v, c in zip(values, counts, strict=True)}
 
     def validate(self) -> Trajectory:
         """Check the token-accounting invariants of the module docstring.
@@ -225,9 +260,34 @@ class Trajectory:
                 raise ValueError("each turn must be one contiguous run of policy tokens")
         if self.policy_version_min > self.policy_version_max:
             raise ValueError("policy_version_min must be <= policy_version_max")
+        if self.token_versions is not None:
+            self._validate_token_versions(np.asarray(self.token_versions), policy)
         if self.transcript is not None:
             self._validate_transcript(self.transcript)
         return self
+
+    def _validate_token_versions(self, versions: np.ndarray, policy: np.ndarray) -> None:
+        if versions.ndim != 1 or versions.shape[0] != policy.shape[0]:
+            raise ValueError(
+                f"token_versions has shape {versions.shape}, expected ({policy.shape[0]},)"
+            )
+        if np.any(versions[~policy] != -1):
+            raise ValueError("token_versions must be -1 on environment tokens")
+        on_policy = versions[policy]
+        if on_policy.size == 0:
+            return
+        if np.any(on_policy < 0):
+            raise ValueError("token_versions must be >= 0 on policy tokens")
+        if np.any(np.diff(on_policy) < 0):
+            raise ValueError("token_versions must be non-decreasing over the policy tokens")
+        if (int(on_policy[0]), int(on_policy[-1])) != (
+            self.policy_version_min,
+            self.policy_version_max,
+        ):
+            raise ValueError(
+                f"token_versions span {int(on_policy[0])}..{int(on_policy[-1])} but "
+                f"policy_version_min/max are {self.policy_version_min}/{self.policy_version_max}"
+            )
 
     def _validate_transcript(self, transcript: Transcript) -> None:
         turns = transcript.turns

@@ -16,6 +16,15 @@ fraction ``w`` must generate ``gen / (1 - w)`` per trained batch, so its bound i
 Usage::
 
     python benchmarks/async_speedup.py [dotted.key=value ...]
+    python benchmarks/async_speedup.py --interrupt N [--staleness S] [dotted.key=value ...]
+
+``--interrupt N`` instead compares, at the same ``buffer.max_staleness`` (S, default 2),
+weight updates applied after the whole rollout batch (``rollout.interrupt_every_tokens = 0``,
+the behaviour before interruptible generation) with updates landing mid-batch (every N
+tokens and between turns). Per run: trained trajectories/s (steady state), engine idle
+fraction (1 actor: wall time with no rollout running, from the per-step rollout counts
+and mean durations), mean / max token staleness of consumed tokens, in-flight updates, and
+the waste fraction.
 """
 
 from __future__ import annotations
@@ -31,11 +40,13 @@ from services.env import PROJECT_ROOT, configure_local_caches
 CONFIG = PROJECT_ROOT / "deploy" / "configs" / "bench_async.toml"
 
 
-def run_once(max_staleness: int, overrides: list[str]) -> tuple[list[dict], object]:
+def run_once(
+    max_staleness: int, overrides: list[str], name: str | None = None
+) -> tuple[list[dict], object]:
     from services.config import load_config
     from services.driver import run_training
 
-    name = f"bench_async_s{max_staleness}"
+    name = name or f"bench_async_s{max_staleness}"
     cfg = load_config(
         CONFIG, [*overrides, f"buffer.max_staleness={max_staleness}", f'run.name="{name}"']
     )
@@ -109,5 +120,69 @@ def main(argv: list[str]) -> None:
     )
 
 
+def engine_idle_fraction(steps: list[dict], num_actors: int) -> float:
+    """Share of the steady-state wall time (end of step 1 to the end of the last) in which
+    the rollout actors ran no rollout: ``1 - sum(completed * mean duration) / (actors *
+    span)``, from the per-step window counters of ``steps.jsonl``."""
+    span = steps[-1]["elapsed_s"] - steps[0]["elapsed_s"]
+    busy = sum(s["rollouts_completed"] * s["rollout_s_mean"] for s in steps[1:])
+    return max(0.0, 1.0 - busy / (num_actors * span))
+
+
+def token_staleness(steps: list[dict]) -> tuple[float, int]:
+    """(mean, max) per-token staleness over the consumed tokens of every step (each step's
+    mean weighted equally: the batches are the same size in trajectories)."""
+    means = [s["staleness_token_mean"] for s in steps]
+    return sum(means) / len(means), max(s["staleness_token_max"] for s in steps)
+
+
+def main_interrupt(every_tokens: int, max_staleness: int, overrides: list[str]) -> None:
+    """Side by side: updates after the batch (0) vs mid-batch (``every_tokens``)."""
+    rows = []
+    for n in (0, every_tokens):
+        steps, cfg = run_once(
+            max_staleness,
+            [*overrides, f"rollout.interrupt_every_tokens={n}"],
+            name=f"bench_interrupt_s{max_staleness}_n{n}",
+        )
+        batch = cfg.learner.train_batch_size
+        mean_tok, max_tok = token_staleness(steps)
+        rows.append(
+            dict(
+                n=n,
+                rate=trained_per_s(steps, batch),
+                idle=engine_idle_fraction(steps, cfg.rollout.num_actors),
+                stale_mean=sum(s["staleness_mean"] for s in steps) / len(steps),
+                tok_mean=mean_tok,
+                tok_max=max_tok,
+                inflight=steps[-1].get("inflight_weight_updates", 0),
+                **waste(steps),
+            )
+        )
+    print(f"\nmax_staleness = {max_staleness} in both runs")
+    print("| interrupt_every_tokens | trained traj/s | engine idle | trajectory staleness "
+          "mean | token staleness mean | token staleness max | in-flight updates | "
+          "generated | dropped stale | waste |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['n']} | {r['rate']:.3f} | {r['idle']:.2f} | {r['stale_mean']:.2f} | "
+            f"{r['tok_mean']:.2f} | {r['tok_max']} | {r['inflight']} | "
+            f"{r['trajectories_generated']:.0f} | {r['trajectories_dropped_stale']:.0f} | "
+            f"{r['waste_fraction']:.3f} |"
+        )
+    print(f"\nspeed-up interruptible / after-batch: {rows[1]['rate'] / rows[0]['rate']:.2f}x "
+          "(target >= 1.2x)")  # fmt: skip
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    if args[:1] == ["--interrupt"]:
+        every, args = int(args[1]), args[2:]
+        staleness = 2
+        if args[:1] == ["--staleness"]:
+            staleness, args = int(args[1]), args[2:]
+        configure_local_caches()
+        main_interrupt(every, staleness, args)
+    else:
+        main(args)

@@ -60,6 +60,8 @@ class TrainingBatch:
         num_turns: float32 [B]. Policy turns per trajectory.
         group_ids: int64 [B]. GRPO group index (first-seen order of ``Trajectory.group_id``).
         policy_version_min: int64 [B]. Oldest weight version behind each trajectory.
+        token_versions: int64 [B, T]. Version that sampled each policy token, -1 elsewhere
+            (environment, pad); see :meth:`actors.trajectory.Trajectory.policy_token_versions`.
         old_logprobs, ref_logprobs, old_values, advantages, returns: float32 [B, T] or
             None; filled by the learner before the optimisation epochs. ``old_logprobs``
             is the policy the clipped ratio is taken against (behaviour, or proximal for
@@ -84,6 +86,7 @@ class TrainingBatch:
     num_turns: Tensor
     group_ids: Tensor
     policy_version_min: Tensor
+    token_versions: Tensor | None = None
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     old_values: Tensor | None = None
@@ -195,6 +198,7 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) 
     loss_mask = np.zeros((batch_size, response_width), dtype=np.float32)
     turn_ids = np.full((batch_size, response_width), -1, dtype=np.int64)
     behavior_logprobs = np.zeros((batch_size, response_width), dtype=np.float32)
+    token_versions = np.full((batch_size, response_width), -1, dtype=np.int64)
     last_policy_index = np.zeros(batch_size, dtype=np.int64)
     for b, traj in enumerate(trajectories):
         p, r = int(traj.prompt_ids.shape[0]), traj.num_response_tokens
@@ -204,6 +208,7 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) 
         loss_mask[b, :r] = traj.loss_mask
         turn_ids[b, :r] = traj.turn_ids
         behavior_logprobs[b, :r] = traj.behavior_logprobs
+        token_versions[b, :r] = traj.policy_token_versions()
         last_policy_index[b] = int(np.flatnonzero(traj.loss_mask)[-1])
 
     attention = torch.from_numpy(attention_mask)
@@ -230,6 +235,7 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) 
         num_turns=torch.tensor([float(t.num_turns) for t in trajectories], dtype=torch.float32),
         group_ids=torch.tensor(_group_indices([t.group_id for t in trajectories])),
         policy_version_min=torch.tensor([int(t.policy_version_min) for t in trajectories]),
+        token_versions=torch.from_numpy(token_versions),
     )
 
 

@@ -22,14 +22,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from actors.trajectory import Trajectory
 
 
 def staleness_of(trajectory: Trajectory, learner_version: int) -> int:
     """Learner updates between the oldest weights that produced ``trajectory`` and now.
 
-    Uses ``policy_version_min`` (a trajectory spanning a weight update is as stale as its
-    oldest token). Raises ValueError if the trajectory claims a future version.
+    Uses ``policy_version_min`` (a trajectory spanning a weight update, between turns or
+    mid-turn, is as stale as its oldest token; :func:`token_staleness_counts` gives the
+    per-token view). Raises ValueError if the trajectory claims a future version.
     """
     staleness = learner_version - trajectory.policy_version_min
     if staleness < 0:
@@ -38,6 +41,29 @@ def staleness_of(trajectory: Trajectory, learner_version: int) -> int:
             f"{trajectory.policy_version_min} > learner_version={learner_version}"
         )
     return staleness
+
+
+def token_staleness_counts(
+    trajectories: Sequence[Trajectory], learner_version: int
+) -> dict[int, int]:
+    """staleness -> number of policy tokens with it, over ``trajectories`` (the per-token
+    histogram of a take; each token's staleness is ``learner_version`` minus the version
+    that sampled it, :meth:`Trajectory.token_staleness`).
+
+    Raises:
+        ValueError: a token sampled by a version newer than ``learner_version``.
+    """
+    counts: dict[int, int] = {}
+    for t in trajectories:
+        values, n = np.unique(t.token_staleness(learner_version), return_counts=True)
+        for v, c in zip(values.tolist(), n.tolist(), strict=True):
+            if v < 0:
+                raise ValueError(
+                    f"trajectory {t.question_id} has a token of a version newer than the "
+                    f"learner's {learner_version}"
+                )
+            counts[v] = counts.get(v, 0) + c
+    return dict(sorted(counts.items()))
 
 
 def is_too_stale(staleness: int, max_staleness: int) -> bool:
@@ -52,7 +78,10 @@ class TakeResult:
     Attributes:
         trajectories: Up to ``n`` trajectories within the staleness bound, oldest
             ``policy_version_min`` first, ties in arrival order.
-        staleness: Staleness (learner steps) of each returned trajectory, same order.
+        staleness: Staleness (learner steps) of each returned trajectory (its oldest
+            token), same order.
+        token_staleness: staleness -> policy tokens of the returned trajectories with it
+            (:func:`token_staleness_counts`); every key is <= ``max(staleness)``.
         dropped_stale: Trajectories discarded by this call for exceeding the bound.
         dropped_retrieval_failed: Trajectories discarded because a search failed after retries.
     """
@@ -61,6 +90,7 @@ class TakeResult:
     staleness: list[int]
     dropped_stale: int = 0
     dropped_retrieval_failed: int = 0
+    token_staleness: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -195,6 +225,7 @@ class StalenessBuffer:
             else:
                 out.append(traj)
                 staleness.append(s)
+        result.token_staleness = token_staleness_counts(out, learner_version)
         self._taken_total += len(out)
         self._dropped_stale_total += result.dropped_stale
         self._dropped_retrieval_failed_total += result.dropped_retrieval_failed

@@ -46,6 +46,7 @@ LIVE_FIELDS: tuple[str, ...] = (
     "learner.actor_lr",
     "learner.critic_lr",
     "rollout.num_actors",
+    "rollout.interrupt_every_tokens",
     "sync.every_k_steps",
 )
 """Dotted config paths (or their prefixes) that may change while a job runs. Sampling

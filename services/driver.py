@@ -13,7 +13,10 @@ One driver process orchestrates N rollout actors, one learner actor and one buff
    learner is idle, the driver takes the oldest ones and starts a learner step. Stale ones
    (only after a live lowering of the bound) are dropped and counted at that moment.
 3. After every ``sync.every_k_steps`` steps the learner's new weights go to every engine,
-   in memory, queued behind their current generation batch.
+   in memory, on the actor's weight thread: applied when the running batch ends, or at its
+   next safe point (between turns, every ``rollout.interrupt_every_tokens`` tokens) with
+   interruptible generation. A rollout is submitted with the version last pushed to its
+   actor and waits for it to land, so every token is at least as new as admission counted.
 4. Live config changes from the control plane are applied between learner steps.
 
 Trajectories held in the buffer or in flight when a checkpoint is written are not saved:
@@ -93,6 +96,7 @@ class DriverState:
     trajectories_consumed: int = 0
     trajectories_dropped_stale: int = 0
     actor_restarts: int = 0
+    inflight_weight_updates: int = 0  # updates that landed while a rollout batch ran
     warm_started: bool = False
     elapsed_s: float = 0.0  # training wall time up to the checkpoint, summed over attempts
     record_lines: dict[str, int] = field(default_factory=dict)  # lines per *.jsonl file
@@ -139,6 +143,7 @@ class Driver:
         self._sync: Any = None
         self._pending_acks: dict[Any, tuple[float, float]] = {}
         self._revival_acks: dict[Any, RolloutSlot] = {}  # weight loads queued on lost actors
+        self._resynced_sync: Any = None  # the broken sync last re-sent to the survivors
         self._rollout_tokens = 0
         self._rollout_trajs = 0
         self._rollout_durations_s: list[float] = []
@@ -639,7 +644,12 @@ class Driver:
                 continue
             slot.first_draw = self.sampler.num_drawn
             records = self.sampler.sample(live.rollout.prompts_per_batch)
-            slot.in_flight = slot.handle.rollout.remote(records)
+            # the actor may run this before the load of engine_version lands (weight loads
+            # have a thread of their own): it waits for it, so its oldest token is at least
+            # the version admission counted it at
+            slot.in_flight = slot.handle.rollout.remote(
+                records, min_policy_version=slot.engine_version
+            )
             slot.submitted_version = slot.engine_version
             slot.started_s = time.perf_counter()
             unconsumed[slot.engine_version] = unconsumed.get(slot.engine_version, 0) + per_call
@@ -682,6 +692,9 @@ class Driver:
         _stamp_ids(
             trajectories, slot.first_draw, self.cfg.rollout.group_size, self.records.lineage.attempt
         )
+        landed = sum(int(t.extra.get("inflight_weight_updates", 0)) for t in trajectories)
+        self.state.inflight_weight_updates += landed
+        self.metrics.inflight_weight_updates_total.inc(landed)
         self._on_rollout_done(trajectories)
 
     def _on_rollout_done(self, trajectories: list[Any]) -> None:
@@ -721,6 +734,10 @@ class Driver:
                 f"buffer returned {len(take.trajectories)} trajectories, expected {n}"
             )
         self.metrics.observe_staleness(take.staleness)
+        self.metrics.observe_token_staleness(take.token_staleness)
+        self.metrics.mixed_version_trajectories_total.inc(
+            sum(t.policy_version_min != t.policy_version_max for t in take.trajectories)
+        )
         self._step_take = take
         self._step_started_s = time.perf_counter()
         # the learner trains on tokens: the transcripts stay here (for samples.jsonl)
@@ -749,6 +766,12 @@ class Driver:
                 "step": self.state.learner_step,
                 "ids": [t.extra.get("trajectory_id") for t in take.trajectories],
                 "staleness": list(take.staleness),
+                # per trajectory: [version, policy tokens it sampled], oldest first
+                "token_versions": [
+                    [[v, n] for v, n in t.version_counts().items()] for t in take.trajectories
+                ],
+                # per token: {staleness: policy tokens}, over the whole take
+                "token_staleness": {str(k): n for k, n in take.token_staleness.items()},
             },
         )
         self.metrics.trajectories_consumed_total.inc(len(take.trajectories))
@@ -772,6 +795,8 @@ class Driver:
             elapsed_s=round(time.perf_counter() - self._run_started_s, 3),
             staleness_mean=sum(take.staleness) / len(take.staleness),
             staleness_max=max(take.staleness),
+            **_token_staleness_summary(take.token_staleness),
+            inflight_weight_updates=self.state.inflight_weight_updates,
             malformed_rate=sum(bool(t.malformed_reason) for t in take.trajectories)
             / len(take.trajectories),
             dropped_stale=stats.dropped_stale_total,
@@ -888,13 +913,29 @@ class Driver:
             # formed again, and every engine re-synced, at the next sync
             if not self.weight_sync.on_broken_sync(e):
                 raise
-            self.progress.say("weight sync: the collective broadcast broke (an engine died); "
-                              "re-forming the group at the next sync")  # fmt: skip
+            self._resync_after_broken_broadcast()
             return
         if isinstance(load_s, int | float):
             self.metrics.observe_weight_sync(export_s + float(load_s))
         if revived is not None:
             self._on_revived(revived)
+
+    def _resync_after_broken_broadcast(self) -> None:
+        """The engines that survived a broken broadcast did not get ``self._sync``'s weights,
+        yet their next rollouts wait for that version (``min_policy_version``): send them
+        the learner's weights through the object store now, once per broken sync, instead
+        of at the next sync (which may need their trajectories first: the run would stall
+        for ``rollout.weight_wait_timeout_s``). The group is formed again at the next sync."""
+        if self._sync is None or self._resynced_sync is self._sync:
+            return
+        self._resynced_sync = self._sync
+        live = [s for s in self.slots if not s.lost]
+        self.progress.say(
+            "weight sync: the collective broadcast broke (an engine died); re-sending "
+            f"policy_version {self._sync.policy_version} to {len(live)} engine(s) through "
+            "the object store, re-forming the group at the next sync"
+        )
+        self._track_acks(self.weight_sync.push_to(self._sync, [s.handle for s in live]))
 
     def _on_revived(self, slot: RolloutSlot) -> None:
         """A lost actor is back (Ray restarted it and it loaded the weights queued at the
@@ -903,11 +944,15 @@ class Driver:
         import ray
 
         slot.lost = False
+        # a restarted actor starts from its creation config; a live change must survive it
+        self._set_interrupt([slot], self.cfg.rollout.interrupt_every_tokens)
         behind = self.state.policy_version - slot.engine_version
         if self._sync is not None and behind > 0:
             ray.get(self.weight_sync.push_to(self._sync, [slot.handle]))
             slot.engine_version = self._sync.policy_version
-        node = ray.get(slot.handle.node_address.remote())
+        from services.weight_sync import engine_weights_call
+
+        node = ray.get(engine_weights_call(slot.handle, "node_address").remote())
         self.progress.say(
             f"rollout actor {slot.index} is back on {node} with policy_version "
             f"{slot.engine_version}"
@@ -941,6 +986,8 @@ class Driver:
         ):
             ray.get(self.learner.set_lr.remote(new.learner.actor_lr, new.learner.critic_lr))
         self.cfg = new
+        if new.rollout.interrupt_every_tokens != old.rollout.interrupt_every_tokens:
+            self._set_interrupt(self.slots, new.rollout.interrupt_every_tokens)
         if new.rollout.num_actors != len(self.slots):
             self._resize_rollout_actors(new.rollout.num_actors)
         self.control.publish(config=new)
@@ -954,6 +1001,18 @@ class Driver:
             f"applied live change at step {self.state.learner_step}: {', '.join(fields)}"
         )
         log.info("applied live change: %s", fields)
+
+    def _set_interrupt(self, slots: list[RolloutSlot], every_tokens: int) -> None:
+        """Set ``rollout.interrupt_every_tokens`` on ``slots``' actors (from their next
+        rollout on), through their weight thread so a running rollout does not delay it."""
+        import ray
+
+        from services.weight_sync import engine_weights_call
+
+        ray.get([
+            engine_weights_call(s.handle, "set_interrupt_every_tokens").remote(every_tokens)
+            for s in slots if not s.lost
+        ])  # fmt: skip
 
     def _publish_live_config(self) -> None:
         cfg = self.control.config
@@ -1139,6 +1198,18 @@ def _describe_start(plan: StartPlan, lineage: Any) -> str:
     if plan.continue_lineage:
         return f"{what}: no checkpoint, starting over (earlier records moved to superseded/)"
     return f"{what}: new run"
+
+
+def _token_staleness_summary(counts: dict[int, int]) -> dict[str, float]:
+    """``staleness_token_mean`` / ``staleness_token_max`` of a take's per-token histogram
+    (staleness -> policy tokens); NaN / -1 for a take without policy tokens."""
+    total = sum(counts.values())
+    if total == 0:
+        return {"staleness_token_mean": float("nan"), "staleness_token_max": -1}
+    return {
+        "staleness_token_mean": sum(k * n for k, n in counts.items()) / total,
+        "staleness_token_max": max(counts),
+    }
 
 
 def _lost_weights(trajectories: list[Any], expected_version: int) -> bool:

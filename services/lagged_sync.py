@@ -21,6 +21,10 @@ then, but the first ``k`` steps' staleness pattern changes. Not done. Without it
 depends on how fast rollouts and learner steps are (0, 1, 2, 3, then 4 in the PPO vs ST-PPO
 experiment).
 
+Interruptible generation (``rollout.interrupt_every_tokens > 0``) is refused with a fixed
+lag (a config error): an update landing mid-batch would make the batch's later tokens
+fresher than ``k``, so the lag would no longer be exact.
+
 Memory: ``k + 1`` exported state dicts live in the object store (one per version still to
 be pushed). Object-store transport only.
 """
@@ -30,7 +34,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.weight_sync import SyncHandle, export_to_object_store
+from services.weight_sync import SyncHandle, engine_weights_call, export_to_object_store
 
 
 class LaggedWeightSync:
@@ -62,12 +66,18 @@ class LaggedWeightSync:
             del self._exports[v]
         version = max(v for v in self._exports if v <= target)
         handle = SyncHandle(version, export_s, [], self._exports[version], started)
-        handle.acks = [e.load_weights.remote(handle.weights_ref, version) for e in engines]
+        handle.acks = [
+            engine_weights_call(e, "load_weights").remote(handle.weights_ref, version)
+            for e in engines
+        ]
         return handle
 
     def push_to(self, handle: SyncHandle, engines: list[Any]) -> list[Any]:
         """Re-send an already pushed version to some engines (restarted ones)."""
-        return [e.load_weights.remote(handle.weights_ref, handle.policy_version) for e in engines]
+        return [
+            engine_weights_call(e, "load_weights").remote(handle.weights_ref, handle.policy_version)
+            for e in engines
+        ]
 
     @property
     def versions_held(self) -> list[int]:

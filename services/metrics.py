@@ -213,6 +213,28 @@ class TrainingMetrics:
             registry=r,
         )
 
+        # -- interruptible generation (rollout.interrupt_every_tokens)
+        self.consumed_policy_tokens_total = Counter(
+            p + "consumed_policy_tokens",
+            "Policy tokens consumed by learner steps, by token staleness: learner_version - "
+            "the version that sampled the token (tokens; label 0..16, '17+'). The per-token "
+            "reading of stppo_staleness, which is per trajectory (its oldest token).",
+            ["staleness"],
+            registry=r,
+        )
+        self.inflight_weight_updates_total = Counter(
+            p + "inflight_weight_updates",
+            "Weight updates an engine applied while a rollout batch was running, mid-turn or "
+            "between turns, instead of after the batch (updates).",
+            registry=r,
+        )
+        self.mixed_version_trajectories_total = Counter(
+            p + "mixed_version_trajectories",
+            "Consumed trajectories whose policy tokens were sampled by more than one weight "
+            "version (trajectories).",
+            registry=r,
+        )
+
         # -- service gauges
         self.learner_step = Gauge(
             p + "learner_step", "Learner steps completed (steps).", registry=r
@@ -328,6 +350,23 @@ class TrainingMetrics:
             checked.append(int(v))
         for v in checked:
             self.staleness.observe(v)
+
+    def observe_token_staleness(self, counts: Mapping[int, int]) -> None:
+        """Add a take's per-token staleness histogram (staleness -> policy tokens, from
+        :func:`learner.buffer.token_staleness_counts`) to ``stppo_consumed_policy_tokens_total``.
+
+        Raises:
+            ValueError: a negative staleness or count; nothing is recorded then.
+        """
+        if any(int(k) < 0 or int(n) < 0 for k, n in counts.items()):
+            raise ValueError(f"token staleness counts must be non-negative, got {dict(counts)}")
+        for k, n in counts.items():
+            label = (
+                str(int(k))
+                if k <= int(STALENESS_BUCKETS[-1])
+                else f"{int(STALENESS_BUCKETS[-1]) + 1}+"
+            )
+            self.consumed_policy_tokens_total.labels(staleness=label).inc(n)
 
     # ------------------------------------------------------------------ service state
 

@@ -95,10 +95,18 @@ def rollout_actor_capacity(cfg: RunConfig, cluster_total: dict[str, float]) -> t
 
 def create_rollout_actor(cfg: RunConfig, retrieval_url: str, index: int) -> Any:
     """One rollout actor (engine + multi-turn loop), restarted by Ray up to
-    ``ray.max_actor_restarts`` times after a crash (the driver re-syncs its weights)."""
-    from actors.rollout import RolloutWorker
+    ``ray.max_actor_restarts`` times after a crash (the driver re-syncs its weights).
 
-    cls = ray.remote(RolloutWorker).options(**rollout_actor_options(cfg, index))
+    Two threads: the default group (one thread: ``rollout`` and everything else, in turn)
+    and the weight group (:data:`services.weight_sync.ENGINE_WEIGHTS_GROUP`, one thread:
+    loads and the collective group's calls), so a weight load reaches the engine while a
+    rollout runs; :class:`actors.engines.interrupt.WeightGate` decides when it lands."""
+    from actors.rollout import RolloutWorker
+    from services.weight_sync import ENGINE_WEIGHTS_GROUP
+
+    # concurrency groups are a class option (``.options()`` refuses them)
+    cls = ray.remote(concurrency_groups={ENGINE_WEIGHTS_GROUP: 1})(RolloutWorker)
+    cls = cls.options(**rollout_actor_options(cfg, index))
     return cls.remote(
         model_path=str(cfg.model.path),
         rollout_cfg=cfg.rollout,

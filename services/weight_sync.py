@@ -1,11 +1,13 @@
 """Weight synchronisation learner -> rollout engines, behind one Protocol.
 
 Versioned and in memory: the learner exports its weights once per sync (contiguous CPU
-clones, HF parameter names) together with its ``policy_version``; every engine loads them
-between two generation batches. A Ray actor runs its method calls one at a time in
-submission order, so ``load_weights`` queued behind a running ``rollout`` waits for that
-batch to finish: weights never change mid-token, and a trajectory's
-``policy_version_min/max`` records which weights produced it.
+clones, HF parameter names) together with its ``policy_version``. Every weight call runs on
+the rollout actor's weight thread (:data:`ENGINE_WEIGHTS_GROUP`), beside a running
+``rollout``: with ``rollout.interrupt_every_tokens = 0`` the load waits for the batch to
+finish (:class:`actors.engines.interrupt.WeightGate`), with N > 0 it lands at the batch's
+next safe point (between turns, every N tokens). Weights never change mid-token, and every
+token records the version that sampled it (``Trajectory.token_versions``; the
+trajectory's ``policy_version_min/max`` are the oldest and newest).
 
 Transports:
 
@@ -14,10 +16,10 @@ Transports:
 - :class:`CollectiveWeightSync` (``sync.transport = "collective"``): learner rank 0 and every
   engine join one process group (:mod:`actors.weight_group`: a standalone gloo group on CPU,
   nccl when the learner has GPUs; the same code) and each sync broadcasts the weights
-  tensor by tensor from rank 0; each engine loads them in place between two generation
-  batches. No copy goes through the object store. The learner's broadcast waits until
-  every engine has finished its current batch and joined in, so the learner idles for
-  that long; ``sync.collective_timeout_s`` bounds it. Group membership is fixed: an engine
+  tensor by tensor from rank 0; each engine receives them on its weight thread while it
+  generates and loads them in place at the gate (above). No copy goes through the object
+  store, and the broadcast no longer waits for the engines' running batches;
+  ``sync.collective_timeout_s`` bounds it. Group membership is fixed: an engine
   that restarts (or is added by a live ``rollout.num_actors`` change) gets the weights
   through the object store at once, and the group is formed again, with every engine,
   at the next sync.
@@ -30,6 +32,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+ENGINE_WEIGHTS_GROUP = "weights"
+"""The rollout actor's concurrency group for weight calls (:mod:`services.ray_actors`): a
+thread of its own, so a load reaches the engine while a rollout runs and is applied at the
+rollout's next safe point (``rollout.interrupt_every_tokens > 0``) or when it ends."""
+
+
+def engine_weights_call(engine: Any, method: str) -> Any:
+    """``engine.<method>`` as a call on the actor's weight thread (``load_weights``,
+    ``receive_weights``, ``join_weight_group``, ``leave_weight_group``), e.g.
+    ``engine_weights_call(e, "load_weights").remote(ref, version)``."""
+    return getattr(engine, method).options(concurrency_group=ENGINE_WEIGHTS_GROUP)
 
 
 class EnginesLost(RuntimeError):
@@ -117,7 +131,10 @@ class ObjectStoreWeightSync:
         return handle
 
     def push_to(self, handle: SyncHandle, engines: list[Any]) -> list[Any]:
-        return [e.load_weights.remote(handle.weights_ref, handle.policy_version) for e in engines]
+        return [
+            engine_weights_call(e, "load_weights").remote(handle.weights_ref, handle.policy_version)
+            for e in engines
+        ]
 
     def on_broken_sync(self, error: Exception) -> bool:
         return False  # a load that raised is a bug, not a transient fault
@@ -169,7 +186,7 @@ class CollectiveWeightSync:
         # (restarted, added) are not in any
         self._members = []
         ray.get(learner.leave_weight_group.remote())
-        leaves = [e.leave_weight_group.remote() for e in engines]
+        leaves = [engine_weights_call(e, "leave_weight_group").remote() for e in engines]
         lost = []
         for engine, ref in zip(engines, leaves, strict=True):
             try:
@@ -183,7 +200,9 @@ class CollectiveWeightSync:
     def _try_form_group(self, learner: Any, engines: list[Any]) -> None:
         import ray
 
-        addresses = ray.get([e.node_address.remote() for e in engines])
+        # on the weight thread: the default thread may hold a rollout that waits for the
+        # very version this sync is about to deliver
+        addresses = ray.get([engine_weights_call(e, "node_address").remote() for e in engines])
         host, port = ray.get(learner.weight_group_address.remote())
         world = len(engines) + 1
         names = {0: f"learner ({host})"}
@@ -197,7 +216,7 @@ class CollectiveWeightSync:
             host, port, world, self.backend, self.timeout_s, self.join_timeout_s
         )
         joins = [
-            e.join_weight_group.remote(
+            engine_weights_call(e, "join_weight_group").remote(
                 host, port, rank, world, self.backend, self.timeout_s, self.join_timeout_s
             )
             for rank, e in enumerate(engines, start=1)
@@ -225,7 +244,7 @@ class CollectiveWeightSync:
         if _ids(self._members) != _ids(engines):
             self._form_group(learner, engines)
         sent = learner.broadcast_weights.remote()
-        acks = [e.receive_weights.remote(self._metas) for e in engines]
+        acks = [engine_weights_call(e, "receive_weights").remote(self._metas) for e in engines]
         self._watch(acks)
         return SyncHandle(policy_version, 0.0, [sent, *acks], None, started)
 
@@ -265,7 +284,9 @@ class CollectiveWeightSync:
             raise RuntimeError("push_to before the first push")
         weights_ref, version_ref = self._learner.export_weights.options(num_returns=2).remote()
         self._members = []  # re-form at the next push, with every engine
-        return [e.load_weights.remote(weights_ref, version_ref) for e in engines]
+        return [
+            engine_weights_call(e, "load_weights").remote(weights_ref, version_ref) for e in engines
+        ]
 
     def on_broken_sync(self, error: Exception) -> bool:
         """A member died mid-broadcast (gloo/nccl report the closed connection to the

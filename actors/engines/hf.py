@@ -11,6 +11,19 @@ top-p truncation; natural log). Only one step's
 Stop strings are detected on decoded text (a custom stopping criterion), and every row is
 trimmed after the first EOS or the first token that completes a stop string, the same
 semantics as vLLM's ``stop`` (the completing token is kept, later tokens are dropped).
+
+Interruptible generation (``generate(..., interrupt=Interrupt(N, safe_point))``,
+:mod:`actors.engines.interrupt`): the engine runs its own decode loop (prefill, then one
+forward per token with a KV cache; the same temperature / top-p warpers and the same
+log-prob convention as ``generate``) and calls ``safe_point`` after every N tokens. If the
+weights changed there, the KV cache is **recomputed**: one prefill of every row's
+``prompt + tokens so far`` under the new weights (cost: one forward over ``B * (P + t)``
+tokens per update that lands, against ``t`` sequential decode forwards already spent; it
+parallelises like any prefill). Keeping the old cache instead would sample the later
+tokens from a mixture (new weights attending to keys/values of the old ones), a policy
+the learner cannot recompute; with the recompute, each token after the update is sampled
+from, and its log-prob is, exactly the new version's ``pi(y_t | prefix)``. Each token
+records the version that sampled it (``GenerationResult.token_versions``).
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -28,7 +42,9 @@ from transformers import (
     StoppingCriteria,
     StoppingCriteriaList,
 )
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
+from actors.engines.interrupt import Interrupt
 from actors.engines.protocol import (
     GenerationResult,
     SamplingParams,
@@ -202,8 +218,20 @@ class HFEngine:
         )
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        interrupt: Interrupt | None = None,
+    ) -> list[GenerationResult]:
         """Sample one continuation per prompt (see the protocol). Batched, left-padded.
+
+        Args:
+            prompts, params: see the protocol.
+            interrupt: None: transformers ``generate``, weights fixed for the call. Else
+                the interruptible loop (module docstring): ``interrupt.safe_point()``
+                after every ``interrupt.every_tokens`` tokens; a weight update applied
+                there changes the version (and the KV cache) of the tokens after it.
 
         Raises:
             ValueError: empty batch or empty prompt.
@@ -211,6 +239,8 @@ class HFEngine:
         check_prompts(prompts)
         if params.seed is not None:
             torch.manual_seed(params.seed)
+        if interrupt is not None:
+            return self._generate_interruptible(prompts, params, interrupt)
         input_ids, attention_mask = self._left_pad(prompts)
         recorder = _LogprobRecorder(1.0 if params.greedy else params.temperature)
         criteria = StoppingCriteriaList()
@@ -231,7 +261,11 @@ class HFEngine:
         ]
 
     def _result(
-        self, token_ids: list[int], logprobs: list[float], params: SamplingParams
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        params: SamplingParams,
+        versions: list[int] | None = None,
     ) -> GenerationResult:
         n, reason, stop = trim_generation(
             token_ids, logprobs, self.tokenizer, self.eos_ids, params.stop
@@ -241,8 +275,88 @@ class HFEngine:
             logprobs=logprobs[:n],
             finish_reason=reason,
             stop_string=stop,
-            policy_version=self._policy_version,
+            policy_version=self._policy_version if versions is None else versions[0],
+            token_versions=None if versions is None else versions[:n],
         )
+
+    def _forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
+        """float [B, V]: next-token logits after ``input_ids`` ([B, L], the new tokens),
+        appending their keys/values to ``cache``. ``attention_mask`` [B, past + L] covers
+        the cache and the new tokens (0 on left padding); positions count real tokens only,
+        as ``generate`` does for left-padded batches."""
+        past = cache.get_seq_length()
+        new = input_ids.shape[1]
+        positions = (attention_mask.cumsum(dim=1) - 1).clamp_min(0)[:, past : past + new]
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            cache_position=torch.arange(past, past + new, device=self.device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    def _generate_interruptible(
+        self, prompts: list[list[int]], params: SamplingParams, interrupt: Interrupt
+    ) -> list[GenerationResult]:
+        """The decode loop with safe points (module docstring). Sampling follows
+        transformers' ``generate``: temperature, then top-p, then ``multinomial``; argmax
+        when greedy. Rows that finished keep being fed padding (as ``generate`` does) and
+        are trimmed afterwards by :func:`trim_generation`."""
+        ids, mask = self._left_pad(prompts)
+        batch = ids.shape[0]
+        temperature = 1.0 if params.greedy else params.temperature
+        warpers = LogitsProcessorList()
+        if not params.greedy:
+            warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(params.top_p))
+        stopper = _StopOnStrings(self.tokenizer, params.stop, ids.shape[1]) if params.stop else None
+        eos = torch.tensor(sorted(self.eos_ids), device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        tokens: list[torch.Tensor] = []  # long [B] per step
+        logprobs: list[torch.Tensor] = []  # float32 [B] per step
+        versions: list[int] = []  # per step
+        version = self._policy_version
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, cache)
+        for step in range(params.max_new_tokens):
+            scores = logits.float()
+            logp = torch.log_softmax(scores / temperature if temperature != 1.0 else scores, -1)
+            if params.greedy:
+                token = scores.argmax(dim=-1)
+            else:
+                probs = torch.softmax(warpers(ids, scores), dim=-1)
+                token = torch.multinomial(probs, num_samples=1).squeeze(1)
+            token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            tokens.append(token)
+            logprobs.append(logp.gather(1, token[:, None]).squeeze(1))
+            versions.append(version)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            done |= torch.isin(token, eos)
+            if stopper is not None:
+                done |= stopper(ids, None).to(self.device)
+            if bool(done.all()) or step + 1 == params.max_new_tokens:
+                break
+            if (step + 1) % interrupt.every_tokens == 0:
+                interrupt.safe_point()
+                if self._policy_version != version:  # new weights: recompute the KV cache
+                    version = self._policy_version
+                    cache = DynamicCache()
+                    logits = self._forward(ids, mask, cache)
+                    continue
+            logits = self._forward(token[:, None], mask, cache)
+        generated = torch.stack(tokens, dim=1).cpu()
+        recorded = torch.stack(logprobs, dim=1).cpu()
+        return [
+            self._result(generated[i].tolist(), recorded[i].tolist(), params, versions)
+            for i in range(batch)
+        ]
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:

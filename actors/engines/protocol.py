@@ -20,11 +20,14 @@ No torch import here: the module is part of the Ray-free wire contract.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
+
+    from actors.engines.interrupt import Interrupt
 
 FinishReason = Literal["stop", "eos", "length"]
 """Why one generation ended: a stop string was produced (``stop``), the tokenizer's EOS token
@@ -85,7 +88,16 @@ class GenerationResult:
         finish_reason: ``stop`` | ``eos`` | ``length``.
         stop_string: The stop string that ended generation (``finish_reason == "stop"``),
             else None.
-        policy_version: The engine's ``policy_version`` when this batch was generated.
+        policy_version: The engine's ``policy_version`` when this generation started, i.e.
+            the version of its first (oldest) token.
+        token_versions: int, length N: the ``policy_version`` of the weights that sampled
+            each token (non-decreasing: a weight update that lands mid-generation raises the
+            version of the tokens after it, never of earlier ones). None (the default) means
+            every token was sampled at ``policy_version``; it is filled in then.
+
+    Raises:
+        ValueError: lengths differ, ``stop_string`` disagrees with ``finish_reason``, or
+            ``token_versions`` decreases or starts below ``policy_version``.
     """
 
     token_ids: list[int]
@@ -93,12 +105,16 @@ class GenerationResult:
     finish_reason: FinishReason
     stop_string: str | None
     policy_version: int
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"token_ids ({len(self.token_ids)}) and logprobs ({len(self.logprobs)}) differ in length"
             )
+        if self.token_versions is None:
+            self.token_versions = [self.policy_version] * len(self.token_ids)
+        check_token_versions(self.token_versions, len(self.token_ids), self.policy_version)
         if (self.finish_reason == "stop") != (self.stop_string is not None):
             raise ValueError("stop_string must be set exactly when finish_reason == 'stop'")
 
@@ -115,12 +131,18 @@ class GenerationEngine(Protocol):
         """Version of the weights currently loaded (0 = the initial checkpoint)."""
         ...
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, interrupt: Interrupt | None = None
+    ) -> list[GenerationResult]:
         """Sample one continuation per prompt, all prompts batched together.
 
         Args:
             prompts: B non-empty lists of token ids (no padding; lengths may differ).
             params: Sampling settings shared by the batch.
+            interrupt: Safe points for weight updates within the call
+                (:class:`actors.engines.interrupt.Interrupt`; HF, vLLM and the scripted
+                engine take it); None = the weights stay fixed for the call. Callers pass
+                it only when set, so engines without interruption need not accept it.
 
         Returns:
             B results, in prompt order.
@@ -143,6 +165,25 @@ class GenerationEngine(Protocol):
             ValueError: a shape mismatch, or a policy_version lower than the current one.
         """
         ...
+
+
+def check_token_versions(versions: list[int], n: int, first: int) -> None:
+    """Validate the per-token versions of one generation.
+
+    Args:
+        versions: length ``n``, the version that sampled each token.
+        n: number of generated tokens.
+        first: the generation's ``policy_version`` (the engine's version when it started).
+
+    Raises:
+        ValueError: wrong length, a decrease, or a token older than ``first``.
+    """
+    if len(versions) != n:
+        raise ValueError(f"token_versions has {len(versions)} entries for {n} tokens")
+    if versions and versions[0] < first:
+        raise ValueError(f"token_versions start at {versions[0]} < policy_version {first}")
+    if any(b < a for a, b in itertools.pairwise(versions)):
+        raise ValueError("token_versions must be non-decreasing (weights never go back)")
 
 
 def check_prompts(prompts: list[list[int]]) -> None:

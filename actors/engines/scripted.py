@@ -12,7 +12,9 @@ the expected behaviour log-probs down. No model, no torch.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
+from actors.engines.interrupt import Interrupt
 from actors.engines.protocol import (
     GenerationResult,
     SamplingParams,
@@ -36,6 +38,8 @@ class ScriptedEngine:
 
     Attributes:
         calls: The prompts of every ``generate`` call, in order (what the engine saw).
+        safe_point_hook: Called with the safe point's index (0, 1, ... per call) just
+            before each safe point of an interruptible call (tests start a loader there).
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class ScriptedEngine:
         self.scripts = scripts
         self.calls: list[list[list[int]]] = []
         self.bump_after_calls = bump_after_calls
+        self.safe_point_hook: Callable[[int], None] | None = None
         self._version = 0
 
     @property
@@ -57,8 +62,18 @@ class ScriptedEngine:
         check_version(self._version, policy_version)
         self._version = policy_version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        interrupt: Interrupt | None = None,
+    ) -> list[GenerationResult]:
         """Play the scripted turn of each prompt.
+
+        With ``interrupt``, the batch is played token-synchronously: after every
+        ``interrupt.every_tokens`` tokens (while a row still has tokens to come)
+        ``safe_point_hook(index)`` (if set) then ``interrupt.safe_point()`` run, and the
+        tokens after it carry the version the engine holds then.
 
         Raises:
             KeyError: a question or turn with no script.
@@ -66,9 +81,26 @@ class ScriptedEngine:
         check_prompts(prompts)
         self.calls.append([list(p) for p in prompts])
         out = [self._one(p, params) for p in prompts]
+        if interrupt is not None:
+            self._interruptible_versions(out, interrupt)
         if self.bump_after_calls is not None and len(self.calls) == self.bump_after_calls:
             self._version += 1
         return out
+
+    def _interruptible_versions(self, out: list[GenerationResult], interrupt: Interrupt) -> None:
+        longest = max(len(r.token_ids) for r in out)
+        versions, version, points = [], self._version, 0
+        for k in range(longest):
+            versions.append(version)
+            if (k + 1) % interrupt.every_tokens == 0 and k + 1 < longest:
+                if self.safe_point_hook is not None:
+                    self.safe_point_hook(points)
+                points += 1
+                interrupt.safe_point()
+                version = self._version
+        for r in out:
+            r.policy_version = versions[0]
+            r.token_versions = versions[: len(r.token_ids)]
 
     def _turn_text(self, prompt: list[int]) -> str:
         text = self.tokenizer.decode(prompt)

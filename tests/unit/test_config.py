@@ -72,6 +72,12 @@ def test_dotted_overrides_parse_toml_values():
             ["learner.train_batch_size=6", "learner.mini_batch_size=4"],
             "multiple of mini_batch_size",
         ),
+        (["rollout.interrupt_every_tokens=-1"], "rollout.interrupt_every_tokens"),
+        (["rollout.weight_wait_timeout_s=0"], "rollout.weight_wait_timeout_s"),
+        (
+            ["sync.fixed_lag=true", "rollout.interrupt_every_tokens=8"],
+            "rollout.interrupt_every_tokens must be 0 with sync.fixed_lag = true (got 8)",
+        ),
     ],
 )
 def test_invalid_values_fail_naming_the_field(overrides, expected):

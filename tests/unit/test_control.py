@@ -122,6 +122,18 @@ def test_live_field_rules_and_diff():
         ControlState(config=old).request_change({})
 
 
+def test_interrupt_every_tokens_is_live_and_refused_under_fixed_lag():
+    assert is_live_field("rollout.interrupt_every_tokens")
+    state = ControlState(config=load_config())
+    state.request_change({"rollout": {"interrupt_every_tokens": 16}})
+    new = state.take_pending()
+    assert new.rollout.interrupt_every_tokens == 16
+    assert changed_fields(load_config(), new) == ["rollout.interrupt_every_tokens"]
+    lagged = ControlState(config=load_config(None, ["sync.fixed_lag=true"]))
+    with pytest.raises(ConfigError, match=r"must be 0 with sync\.fixed_lag"):
+        lagged.request_change({"rollout": {"interrupt_every_tokens": 16}})
+
+
 # ---------------------------------------------------------------- issue 21: token on PATCH, race
 
 

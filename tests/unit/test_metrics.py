@@ -251,6 +251,18 @@ def test_server_port_zero_picks_free_port_and_close_releases_it():
         s.bind(("127.0.0.1", server.port))
 
 
+def test_token_staleness_counter_by_label():
+    metrics = TrainingMetrics(CollectorRegistry())
+    metrics.observe_token_staleness({0: 5, 1: 3, 20: 2})
+    metrics.observe_token_staleness({1: 4})
+    counter = metrics.consumed_policy_tokens_total
+    assert counter.labels(staleness="0")._value.get() == 5
+    assert counter.labels(staleness="1")._value.get() == 7
+    assert counter.labels(staleness="17+")._value.get() == 2
+    with pytest.raises(ValueError, match="non-negative"):
+        metrics.observe_token_staleness({-1: 2})
+
+
 def test_exported_metric_names_match_scraped_sample_names(served):
     """The derived names equal what a scrape shows once every family has a sample."""
     metrics, server = served
@@ -258,6 +270,7 @@ def test_exported_metric_names_match_scraped_sample_names(served):
     metrics.count_malformed_answer("no_answer_tag")
     metrics.count_config_change("buffer.max_staleness")
     metrics.set_variant("st_ppo")
+    metrics.observe_token_staleness({0: 5, 1: 3})
     text = httpx.get(server.url, timeout=5.0).text
     scraped = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     derived = exported_metric_names(metrics.registry)

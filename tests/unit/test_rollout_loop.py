@@ -7,6 +7,9 @@ real engines and the real HTTP server are exercised in tests/integration.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from rollout_fakes import TableRetriever
@@ -232,13 +235,106 @@ def test_build_engine_falls_back_to_hf_with_one_line_where_vllm_is_missing(
     ]
 
 
+# ------------------------------------------------- interruptible generation (issue 30)
+
+
+def interruptible_worker(tok, scripts, every_tokens: int, **cfg):
+    """A RolloutWorker on the scripted engine with a table retriever (no HTTP)."""
+    from actors.rollout import RolloutWorker
+
+    engine = ScriptedEngine(tok, scripts)
+    cfg = RolloutConfig(group_size=1, interrupt_every_tokens=every_tokens, **cfg)
+    worker = RolloutWorker("unused", cfg, "http://127.0.0.1:9", engine=engine)
+    worker.client = TableRetriever({"q": [LIMA]})
+    return worker, engine
+
+
+def start_loader_and_wait(worker, version: int) -> threading.Thread:
+    """Call ``worker.load_weights`` on another thread (the actor's weight thread) and
+    return once it waits for the gate."""
+    thread = threading.Thread(target=worker.load_weights, args=({}, version), daemon=True)
+    thread.start()
+    while not worker.gate.update_waiting:
+        time.sleep(0.001)
+    return thread
+
+
+TURN0 = "<think>I should look this up first.</think><search>q</search>"
+
+
 def test_load_weights_returns_its_seconds_not_the_version(tok):
     """The driver adds the ack to the export time of ``stppo_weight_sync_seconds``: a
     version number there (it was) read as seconds."""
-    from actors.rollout import RolloutWorker
-
-    engine = ScriptedEngine(tok, {})
-    worker = RolloutWorker("unused", RolloutConfig(), "http://127.0.0.1:9", engine=engine)
+    worker, _engine = interruptible_worker(tok, {}, 0)
     took = worker.load_weights({}, 7)
     assert isinstance(took, float) and 0.0 <= took < 5.0
     assert worker.get_policy_version() == 7
+
+
+def test_an_update_lands_mid_turn_and_later_tokens_carry_it(tok):
+    worker, engine = interruptible_worker(tok, {"Q?": [TURN0, "<answer>Lima</answer>"]}, 4)
+    threads = []
+
+    def hook(index: int) -> None:  # during turn 0, at its first safe point (4 tokens)
+        if index == 0 and len(engine.calls) == 1:
+            threads.append(start_loader_and_wait(worker, 1))
+
+    engine.safe_point_hook = hook
+    (traj,) = worker.rollout([record("Q?", "Lima")])
+    threads[0].join(5)
+    n0, n1 = len(enc(tok, TURN0)), len(enc(tok, "<answer>Lima</answer>"))
+    policy = traj.token_versions[traj.loss_mask.astype(bool)].tolist()
+    assert policy == [0] * 4 + [1] * (n0 - 4) + [1] * n1  # turn 0 spans versions 0 and 1
+    assert (traj.policy_version_min, traj.policy_version_max) == (0, 1)
+    assert worker.last_stats.num_inflight_weight_updates == 1
+    assert traj.extra["inflight_weight_updates"] == 1
+
+
+def test_an_update_waiting_between_turns_lands_before_the_next_turn(tok):
+    worker, _engine = interruptible_worker(tok, {"Q?": [TURN0, "<answer>Lima</answer>"]}, 1000)
+    threads = []
+    retrieve = worker.client.retrieve
+
+    def retrieve_and_start_loader(queries):  # the update arrives while retrieval runs
+        threads.append(start_loader_and_wait(worker, 1))
+        return retrieve(queries)
+
+    worker.client.retrieve = retrieve_and_start_loader
+    (traj,) = worker.rollout([record("Q?", "Lima")])
+    n0 = len(enc(tok, TURN0))
+    policy = traj.token_versions[traj.loss_mask.astype(bool)].tolist()
+    assert policy[:n0] == [0] * n0 and set(policy[n0:]) == {1}
+    assert worker.last_stats.num_inflight_weight_updates == 1
+
+
+def test_with_interruption_off_a_load_waits_for_the_whole_batch(tok):
+    worker, engine = interruptible_worker(tok, {"Q?": [TURN0, "<answer>Lima</answer>"]}, 0)
+    threads = []
+    retrieve = worker.client.retrieve
+
+    def retrieve_and_start_loader(queries):
+        threads.append(start_loader_and_wait(worker, 1))
+        return retrieve(queries)
+
+    worker.client.retrieve = retrieve_and_start_loader
+    (traj,) = worker.rollout([record("Q?", "Lima")])
+    threads[0].join(5)
+    assert set(traj.token_versions[traj.loss_mask.astype(bool)].tolist()) == {0}
+    assert worker.last_stats.num_inflight_weight_updates == 0
+    assert engine.policy_version == 1  # landed after the batch
+    worker.set_interrupt_every_tokens(4)  # live change, from the next rollout on
+    assert worker.interrupt_every_tokens == 4
+    with pytest.raises(ValueError, match=">= 0"):
+        worker.set_interrupt_every_tokens(-1)
+
+
+def test_a_rollout_waits_for_the_version_it_was_admitted_at(tok):
+    worker, _engine = interruptible_worker(
+        tok, {"Q?": ["<answer>Lima</answer>"]}, 4, weight_wait_timeout_s=0.3
+    )
+    with pytest.raises(TimeoutError, match="policy_version 2 did not arrive"):
+        worker.rollout([record("Q?", "Lima")], min_policy_version=2)
+    timer = threading.Timer(0.1, worker.load_weights, args=({}, 2))
+    timer.start()
+    (traj,) = worker.rollout([record("Q?", "Lima")], min_policy_version=2)
+    assert traj.policy_version_min == 2 and worker.last_stats.weight_wait_s > 0.05
