@@ -95,12 +95,8 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_async_run_with_live_variant_change_and_actor_crash(tmp_path: Path, tiny_llama_dir: Path):
-    import ray
-
-    cfg = tiny_run_config(tmp_path, tiny_llama_dir)
-    run = RunInThread(cfg)
-    run_dir = cfg.run_dir
+def _control_client(run: RunInThread, run_dir: Path) -> tuple[dict, httpx.Client]:
+    """The run's control.json (once the control plane is up) and an authorised client."""
     control = run.wait_for(
         lambda: (run_dir / "control.json").exists() and json.loads((run_dir / "control.json").read_text()),
         300, "control plane",
@@ -108,6 +104,16 @@ def test_async_run_with_live_variant_change_and_actor_crash(tmp_path: Path, tiny
     client = httpx.Client(
         base_url=control["url"], headers={"Authorization": f"Bearer {control['token']}"}, timeout=30
     )
+    return control, client
+
+
+def test_async_run_with_live_variant_change_and_actor_crash(tmp_path: Path, tiny_llama_dir: Path):
+    import ray
+
+    cfg = tiny_run_config(tmp_path, tiny_llama_dir)
+    run = RunInThread(cfg)
+    run_dir = cfg.run_dir
+    control, client = _control_client(run, run_dir)
     run.wait_for(lambda: len(read_jsonl(run_dir / "steps.jsonl")) >= 1, 600, "step 1")
 
     # live change of the variant: accepted now, applied at the next step boundary
@@ -384,13 +390,7 @@ def test_interruptible_run_keeps_the_bound_and_takes_a_live_change(
     )
     run = RunInThread(cfg)
     run_dir = cfg.run_dir
-    control = run.wait_for(
-        lambda: (run_dir / "control.json").exists() and json.loads((run_dir / "control.json").read_text()),
-        300, "control plane",
-    )  # fmt: skip
-    client = httpx.Client(
-        base_url=control["url"], headers={"Authorization": f"Bearer {control['token']}"}, timeout=30
-    )
+    control, client = _control_client(run, run_dir)
     run.wait_for(lambda: len(read_jsonl(run_dir / "steps.jsonl")) >= 1, 600, "step 1")
     resp = client.patch("/config", json={"rollout": {"interrupt_every_tokens": 2}})
     assert resp.status_code == 202, resp.text
