@@ -111,6 +111,15 @@ class DataSection(StrictModel):
     test_files: list[Path] = Field(default_factory=list)
     """Test QA files (``stppo evaluate --split test``)."""
 
+    warm_start_share: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of every training QA set kept for the warm start's demonstrations, which RL
+    then never draws (0: both draw from the whole split). A question goes to a side by a
+    stable hash of its entity (``metadata.entity`` where the record names one, so every
+    question about one entity lands on the same side; else its ``id``), not by the seed, so
+    a resumed or re-seeded run splits alike. Use it when RL should improve what the warm
+    start did not already teach question by question (the synthetic task:
+    ``deploy/configs/experiments/stability_regime_split.toml``)."""
+
     @field_validator("train_files", "validation_files", "test_files")
     @classmethod
     def _check_qa_suffixes(cls, value: list[Path]) -> list[Path]:
@@ -267,7 +276,7 @@ class RayConfig(StrictModel):
 
     learner_threads: int = Field(0, ge=0, le=1024)
     """torch/OpenMP threads of each learner rank (``OMP_NUM_THREADS`` in its runtime env);
-    0: Ray's default, ``learner_cpus`` rounded (at least 1). Above ``learner_cpus`` the
+    0: ``learner_cpus`` rounded (at least 1), set explicitly as well. Above ``learner_cpus`` the
     learner also uses cores reserved for the rollout actors: worth it where they idle most
     of a step (the main job's rollout takes ~7 s of a ~45 s step), at the price of the two
     competing while both run."""

@@ -325,7 +325,9 @@ class Driver:
             join_timeout_s=self.cfg.sync.join_timeout_s,
             say=self.progress.say,
         )
-        self.sampler = QuestionSampler.from_data(self.cfg.data, "train", self.cfg.run.seed)
+        self.sampler = QuestionSampler.from_data(
+            self.cfg.data, "train", self.cfg.run.seed, side="rl"
+        )
         self.learner = create_learner_group(
             self.cfg, say=self.progress.say
         )  # learner.num_ranks actors, one handle
@@ -459,8 +461,11 @@ class Driver:
 
         n = self.cfg.sft.num_demonstrations
         self.progress.say(f"warm start: building demonstrations from {n} training questions")
-        # a separate stream (seed + 1) so RL questions are not used up by the warm start
-        records = QuestionSampler.from_data(self.cfg.data, "train", self.cfg.run.seed + 1).sample(n)
+        # a separate stream (seed + 1) so RL questions are not used up by the warm start;
+        # with data.warm_start_share > 0 the two draw from disjoint sides of the split
+        records = QuestionSampler.from_data(
+            self.cfg.data, "train", self.cfg.run.seed + 1, side="warm_start"
+        ).sample(n)
         tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
         with RetrievalClient(self.retrieval_url, self.cfg.rollout.retrieval) as client:
             demos = build_demonstrations(

@@ -59,8 +59,17 @@ def learner_actor_options(cfg: RunConfig, rank: int = 0) -> dict[str, Any]:
         "num_gpus": cfg.ray.learner_gpus,
         "resources": dict(cfg.ray.learner_resources),
         "max_restarts": 0,
-        "runtime_env": _actor_env(threads=cfg.ray.learner_threads),
+        "runtime_env": _actor_env(threads=learner_threads(cfg)),
     }
+
+
+def learner_threads(cfg: RunConfig) -> int:
+    """torch/OpenMP threads of a learner rank: ``ray.learner_threads``, or with 0 its
+    ``ray.learner_cpus`` rounded (at least 1). Always set explicitly: Ray derives
+    ``OMP_NUM_THREADS`` from ``num_cpus`` only for a worker it starts for the actor, and a
+    worker it had started ahead kept torch's own default, all the machine's cores (seen as a
+    flaky test: 2 threads for a 1-CPU learner)."""
+    return cfg.ray.learner_threads or max(1, round(cfg.ray.learner_cpus))
 
 
 def rollout_actor_capacity(cfg: RunConfig, cluster_total: dict[str, float]) -> tuple[int, str]:

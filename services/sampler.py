@@ -11,7 +11,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -69,9 +69,27 @@ class QuestionSampler:
         return cls({d: read_qa_split(qa_dir, d, split) for d in datasets}, seed=seed)
 
     @classmethod
-    def from_data(cls, data: DataSection, split: str, seed: int) -> QuestionSampler:
-        """Load ``split`` of the sets ``data`` names (built-in sets or your own files)."""
-        return cls(qa_sets(data, split), seed=seed)
+    def from_data(
+        cls,
+        data: DataSection,
+        split: str,
+        seed: int,
+        side: Literal["rl", "warm_start"] | None = None,
+    ) -> QuestionSampler:
+        """Load ``split`` of the sets ``data`` names (built-in sets or your own files).
+
+        ``side`` (training split only) keeps one side of ``data.warm_start_share``
+        (:func:`warm_start_split`): ``"rl"`` the questions RL may draw, ``"warm_start"`` the
+        ones kept for demonstrations; None (or a share of 0) the whole split.
+
+        Raises:
+            ValueError: a side left with no question of some set.
+        """
+        sets = qa_sets(data, split)
+        if side is not None and data.warm_start_share > 0.0:
+            warm, rl = warm_start_split(sets, data.warm_start_share)
+            sets = warm if side == "warm_start" else rl
+        return cls(sets, seed=seed)
 
     def _record(self, draw: int) -> dict:
         name = self._names[draw % len(self._names)]
@@ -107,6 +125,46 @@ def qa_sets(data: DataSection, split: str) -> dict[str, list[dict]]:
     if not files:
         raise QADataError(f"data.{split}_files is empty: no {split} QA files configured")
     return load_qa_files(files)
+
+
+def entity_key(record: dict) -> str:
+    """What :func:`warm_start_split` hashes: ``metadata.entity`` when the record names one,
+    else its ``id``, else its question text."""
+    entity = (record.get("metadata") or {}).get("entity")
+    if entity:
+        return f"entity:{entity}"
+    return f"id:{record['id']}" if "id" in record else f"question:{record['question']}"
+
+
+def warm_start_split(
+    sets: dict[str, list[dict]], share: float
+) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
+    """Split every set into (warm-start side, RL side) by a stable hash of each record's
+    :func:`entity_key`: a record goes to the warm start when ``crc32(key) / 2**32 < share``.
+
+    The split does not depend on any seed or on the order of the records, and every
+    question about one entity lands on the same side (on the synthetic task, the one-hop and
+    the two-hop question about a record).
+
+    Raises:
+        ValueError: ``share`` outside (0, 1), or a side with no record of some set (the
+            message names the set and the counts).
+    """
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"warm_start_share must be in (0, 1), got {share}")
+    warm: dict[str, list[dict]] = {}
+    rl: dict[str, list[dict]] = {}
+    for name, records in sets.items():
+        to_warm = [zlib.crc32(entity_key(r).encode()) / 2**32 < share for r in records]
+        warm[name] = [r for r, w in zip(records, to_warm, strict=True) if w]
+        rl[name] = [r for r, w in zip(records, to_warm, strict=True) if not w]
+        if not warm[name] or not rl[name]:
+            raise ValueError(
+                f"data.warm_start_share = {share} leaves QA set {name!r} with "
+                f"{len(warm[name])} warm-start and {len(rl[name])} RL questions of "
+                f"{len(records)}: each side needs at least one"
+            )
+    return warm, rl
 
 
 def evaluation_questions(data: DataSection, split: str, n: int, seed: int = 1234) -> list[dict]:

@@ -82,10 +82,14 @@ def local_ray_cluster(tmp_path: Path):
     try:
         from ray.job_submission import JobSubmissionClient
 
-        deadline = time.monotonic() + 120
+        # Ready = a job can be submitted: the dashboard answers list_jobs before its job
+        # agent has registered, and a submission then gets HTTP 500 "No available agent to
+        # submit job" (seen under load in a CI run).
+        deadline = time.monotonic() + 180
         while True:
             try:
-                JobSubmissionClient(url).list_jobs()
+                client = JobSubmissionClient(url)
+                probe = client.submit_job(entrypoint="true")
                 break
             except Exception:
                 if head.poll() is not None or time.monotonic() > deadline:
@@ -93,6 +97,7 @@ def local_ray_cluster(tmp_path: Path):
                         f"ray head did not come up: {(tmp_path / 'ray_head.log').read_text()}"
                     ) from None
                 time.sleep(1)
+        _wait_job(client, probe, 120)
         yield url
     finally:
         head.send_signal(signal.SIGTERM)  # --block: stops the processes it started

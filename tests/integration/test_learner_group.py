@@ -120,8 +120,10 @@ def test_group_exports_checkpoints_resumes_and_fails_clearly(ray_cluster, tiny_l
 
 
 def test_learner_threads_sets_the_ranks_torch_threads(ray_cluster, tiny_llama_dir):
-    """``ray.learner_threads`` reaches the learner actor's torch (Ray's own default is the
-    actor's ``num_cpus``: 1 here), so the learner can use cores the rollout leaves idle."""
+    """``ray.learner_threads`` reaches the learner actor's torch, so the learner can use
+    cores the rollout leaves idle; 0 gives ``ray.learner_cpus`` (1 here) whether Ray starts
+    a worker for the actor or hands it one it started ahead (which kept torch's default, 2
+    threads on this machine, before the count was always set)."""
     import ray
 
     from services.ray_actors import learner_actor_options
@@ -139,7 +141,9 @@ def test_learner_threads_sets_the_ranks_torch_threads(ray_cluster, tiny_llama_di
             [f"model.path={tiny_llama_dir}", f"run.name=threads{threads}",
              "ray.learner_cpus=1", f"ray.learner_threads={threads}"],
         )  # fmt: skip
-        probe = ray.remote(Probe).options(**learner_actor_options(cfg)).remote()
+        options = learner_actor_options(cfg)
+        assert options["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == str(threads or 1)
+        probe = ray.remote(Probe).options(**options).remote()
         found[threads] = ray.get(probe.threads.remote(), timeout=120)
         ray.kill(probe)
     assert found == {0: 1, 2: 2}
