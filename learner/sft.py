@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +57,8 @@ class DemonstrationSet:
             answer (only with ``require_answer_in_passages``).
         num_invalid: dropped records (no search queries, no gold answer...), with reasons
             in ``invalid_reasons``.
+        num_skipped_search: demonstrations built without their last search
+            (``skip_last_search_share``).
     """
 
     demonstrations: list[Trajectory] = field(default_factory=list)
@@ -63,6 +66,7 @@ class DemonstrationSet:
     num_answer_not_retrieved: int = 0
     num_invalid: int = 0
     invalid_reasons: list[str] = field(default_factory=list)
+    num_skipped_search: int = 0
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -118,6 +122,7 @@ def build_demonstration(
     max_information_tokens: int = 256,
     require_answer_in_passages: bool = True,
     system_prompt: str | None = None,
+    skip_last_search: bool = False,
 ) -> Trajectory | None:
     """One demonstration trajectory for a QA record (format in the module docstring).
 
@@ -132,6 +137,10 @@ def build_demonstration(
             answer.
         system_prompt: the agent's system message (``rollout.system_prompt``; None =
             Search-R1's), so the demonstrations show the prompt the rollouts will use.
+        skip_last_search: leave the last search out and answer with the gold answer
+            anyway (closed-book for a one-search question, after the first search for a
+            two-search one): an imperfect demonstrator's shortcut. Such a demonstration
+            is never dropped for ``require_answer_in_passages``.
 
     Returns:
         A validated :class:`Trajectory` (``reward = 1``, ``behavior_logprobs = 0``,
@@ -142,6 +151,8 @@ def build_demonstration(
         actors.retrieval_client.RetrievalFailed: the server did not answer.
     """
     queries = _search_queries(record)
+    if skip_last_search:
+        queries = queries[:-1]
     answer = _gold_answer(record)
     if is_multiple_choice(record):
         answer = str((record.get("metadata") or {}).get("answer_letter", answer))
@@ -157,7 +168,11 @@ def build_demonstration(
         response += policy + env
         loss_mask += [1] * len(policy) + [0] * len(env)
         turn_ids += [turn] * len(policy) + [-1] * len(env)
-    if require_answer_in_passages and not answer_in_passages(record, retrieved):
+    if (
+        require_answer_in_passages
+        and not skip_last_search
+        and not answer_in_passages(record, retrieved)
+    ):
         return None
     final = _encode(tokenizer, ANSWER_THOUGHT.format(answer=answer))
     response += final
@@ -182,7 +197,7 @@ def build_demonstration(
         data_source=str(record["data_source"]),
         finish_reason="answer",
         answer=answer,
-        extra={"demonstration": True},
+        extra={"demonstration": True, "skipped_search": skip_last_search},
     ).validate()
 
 
@@ -194,12 +209,19 @@ def build_demonstrations(
     max_information_tokens: int = 256,
     require_answer_in_passages: bool = True,
     system_prompt: str | None = None,
+    skip_last_search_share: float = 0.0,
 ) -> DemonstrationSet:
     """:func:`build_demonstration` over many records; invalid records are counted with
-    their reason, not raised (a retrieval failure still raises: that is an outage)."""
+    their reason, not raised (a retrieval failure still raises: that is an outage).
+
+    A record's demonstration skips its last search (``skip_last_search``) when
+    :func:`skips_last_search` says so for ``skip_last_search_share``: by a stable hash of
+    the record's id, so a question repeated across epochs or runs is always demonstrated
+    the same way."""
     out = DemonstrationSet()
     for record in records:
         out.num_records += 1
+        skip = skips_last_search(record, skip_last_search_share)
         try:
             demo = build_demonstration(
                 record,
@@ -208,6 +230,7 @@ def build_demonstrations(
                 max_information_tokens=max_information_tokens,
                 require_answer_in_passages=require_answer_in_passages,
                 system_prompt=system_prompt,
+                skip_last_search=skip,
             )
         except DemonstrationError as err:
             out.num_invalid += 1
@@ -217,7 +240,17 @@ def build_demonstrations(
             out.num_answer_not_retrieved += 1
         else:
             out.demonstrations.append(demo)
+            out.num_skipped_search += int(skip)
     return out
+
+
+def skips_last_search(record: Mapping, share: float) -> bool:
+    """Whether ``record``'s demonstration leaves its last search out: ``crc32(id) / 2**32 <
+    share`` (``sft.skip_last_search_share``; the question text where a record has no id)."""
+    if share <= 0.0:
+        return False
+    key = str(record.get("id", record.get("question", "")))
+    return zlib.crc32(key.encode()) / 2**32 < share
 
 
 @dataclass

@@ -472,11 +472,17 @@ class Driver:
                 records, tokenizer, client.retrieve,
                 max_information_tokens=self.cfg.rollout.max_information_tokens,
                 system_prompt=self.cfg.rollout.system_prompt,
+                skip_last_search_share=self.cfg.sft.skip_last_search_share,
             )  # fmt: skip
+        lazy = (
+            f", {demos.num_skipped_search} without their last search"
+            if self.cfg.sft.skip_last_search_share > 0.0
+            else ""
+        )
         self.progress.say(
             f"warm start: {len(demos.demonstrations)} demonstrations "
             f"({demos.num_answer_not_retrieved} skipped: answer not retrieved, "
-            f"{demos.num_invalid} invalid); SFT {self.cfg.sft.epochs} epoch(s)"
+            f"{demos.num_invalid} invalid{lazy}); SFT {self.cfg.sft.epochs} epoch(s)"
         )
         report = ray.get(self.learner.warm_start.remote(demos.demonstrations, self.cfg.sft))
         self.state.warm_started = True

@@ -13,6 +13,11 @@ the seeds. For each cell (:class:`CellSummary`) over its runs:
   a 95% bootstrap interval: does RL improve on its starting point;
 - final training success: ``success_rate`` of ``steps.jsonl`` averaged over each run's last
   ``final_window`` steps, IQM and interval likewise;
+- against staleness 0 (for a cell with ``buffer.max_staleness > 0``): the mean final
+  validation success minus that of the same cell at staleness 0 (:func:`on_policy_reference`),
+  with a 95% stratified-bootstrap interval (:func:`mean_difference_ci`), and the probability
+  of improvement over it: does training at that staleness reach what on-policy training
+  reaches;
 - probability of improvement over ``ppo`` in the same cell otherwise (same objective and
   staleness): P(X > Y) + P(X = Y) / 2 for X a run of this variant and Y one of ppo, on the
   final validation success (:func:`probability_of_improvement`, the Mann-Whitney U statistic
@@ -140,6 +145,25 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return _bootstrap((_finite(values),), lambda x, axis=-1: np.mean(x, axis=axis))
 
 
+def _mean_diff_axis(x, y, axis=-1):
+    import numpy as np
+
+    return np.mean(x, axis=axis) - np.mean(y, axis=axis)
+
+
+def mean_difference(x: list[float], y: list[float]) -> float:
+    """mean(x) - mean(y) of the finite values; NaN if either side is empty."""
+    x, y = _finite(x), _finite(y)
+    return sum(x) / len(x) - sum(y) / len(y) if x and y else math.nan
+
+
+def mean_difference_ci(x: list[float], y: list[float]) -> tuple[float, float]:
+    """95% stratified-bootstrap interval of :func:`mean_difference`, x and y each resampled
+    on their own (two independent groups of seeds); (NaN, NaN) when either side has fewer
+    than 2 values."""
+    return _bootstrap((_finite(x), _finite(y)), _mean_diff_axis)
+
+
 def _poi_axis(x, y, axis=-1):
     """P(X > Y) + P(X = Y) / 2 over all pairs, along ``axis`` of x and y (vectorised)."""
     import numpy as np
@@ -199,8 +223,13 @@ class CellSummary:
 
     cell: dict[str, Any]
     variant: str
+    off_policy: str
     max_staleness: int
+    optimizer_steps_per_batch: int
     runs: int
+    seeds: list[int]
+    val_success_per_seed: list[float]
+    final_success_per_seed: list[float]
     steps_mean: float
     val_success_iqm: float
     val_success_iqm_ci: tuple[float, float]
@@ -213,6 +242,11 @@ class CellSummary:
     final_success_iqm_ci: tuple[float, float]
     poi_vs_ppo: float
     poi_vs_ppo_ci: tuple[float, float]
+    on_policy_cell: str
+    vs_on_policy: float
+    vs_on_policy_ci: tuple[float, float]
+    poi_vs_on_policy: float
+    poi_vs_on_policy_ci: tuple[float, float]
     collapsed: int
     judged: int
     collapse_ci: tuple[float, float]
@@ -261,6 +295,12 @@ class RunStats:
     cell: dict[str, Any] = field(default_factory=dict)
     finished: bool = True
     """The run wrote its final evaluation (``eval.jsonl`` tag ``end``)."""
+    seed: int = 0
+    """``run.seed``."""
+    off_policy: str = "decoupled"
+    """``algorithm.off_policy`` (the objective)."""
+    optimizer_steps_per_batch: int = 1
+    """``ppo_epochs * ceil(train_batch_size / mini_batch_size)``."""
 
 
 def run_stats(
@@ -310,7 +350,34 @@ def run_stats(
         malformed_curve=_series(steps, "malformed_rate"),
         cell={k: _dotted(cfg, k) for k in cell_keys},
         finished=bool(end),
+        seed=int(cfg["run"]["seed"]),
+        off_policy=str(cfg["algorithm"].get("off_policy", "decoupled")),
+        optimizer_steps_per_batch=optimizer_steps_per_batch(cfg["learner"]),
     )
+
+
+def optimizer_steps_per_batch(learner: dict[str, Any]) -> int:
+    """Optimizer steps of one learner step: ``ppo_epochs`` passes of
+    ``ceil(train_batch_size / mini_batch_size)`` mini-batches (``learner`` section of a
+    ``config.json``)."""
+    minis = math.ceil(int(learner["train_batch_size"]) / int(learner["mini_batch_size"]))
+    return int(learner.get("ppo_epochs", 1)) * minis
+
+
+def on_policy_reference(cell: dict[str, Any], cells: dict[tuple, list[RunStats]]) -> dict | None:
+    """The staleness-0 cell a stale cell is compared with: the same cell at
+    ``buffer.max_staleness = 0``, else (a grid that leaves the paper's objective out at
+    staleness 0, where it is the same update) that cell with ``algorithm.off_policy =
+    "decoupled"``. None for a staleness-0 cell, or when neither ran."""
+    if not cell.get("buffer.max_staleness"):
+        return None
+    for candidate in (
+        {**cell, "buffer.max_staleness": 0},
+        {**cell, "buffer.max_staleness": 0, "algorithm.off_policy": "decoupled"},
+    ):
+        if _key(candidate) in cells:
+            return candidate
+    return None
 
 
 def _key(cell: dict[str, Any]) -> tuple:
@@ -335,6 +402,8 @@ def cell_summaries(runs: list[RunStats]) -> list[CellSummary]:
         is_ppo = cell.get("algorithm.variant") in ("ppo", None)
         ppo_runs = [] if is_ppo else cells.get(_key({**cell, "algorithm.variant": "ppo"}), [])
         ppo_val = [r.val_success for r in ppo_runs]
+        reference = on_policy_reference(cell, cells)
+        ref_val = [r.val_success for r in cells[_key(reference)]] if reference else []
         judged = [r.collapsed for r in rs if r.collapsed is not None]
         collapsed = sum(bool(c) for c in judged)
         consumed = sum(r.consumed for r in rs)
@@ -342,8 +411,13 @@ def cell_summaries(runs: list[RunStats]) -> list[CellSummary]:
             CellSummary(
                 cell=cell,
                 variant=rs[0].variant,
+                off_policy=rs[0].off_policy,
                 max_staleness=rs[0].max_staleness,
+                optimizer_steps_per_batch=rs[0].optimizer_steps_per_batch,
                 runs=len(rs),
+                seeds=[r.seed for r in rs],
+                val_success_per_seed=val,
+                final_success_per_seed=finals,
                 steps_mean=_mean([float(r.steps) for r in rs]),
                 val_success_iqm=iqm(val),
                 val_success_iqm_ci=iqm_ci(val),
@@ -356,6 +430,11 @@ def cell_summaries(runs: list[RunStats]) -> list[CellSummary]:
                 final_success_iqm_ci=iqm_ci(finals),
                 poi_vs_ppo=probability_of_improvement(val, ppo_val) if ppo_runs else math.nan,
                 poi_vs_ppo_ci=poi_ci(val, ppo_val) if ppo_runs else (math.nan, math.nan),
+                on_policy_cell=cell_label(reference) if reference else "",
+                vs_on_policy=mean_difference(val, ref_val),
+                vs_on_policy_ci=mean_difference_ci(val, ref_val),
+                poi_vs_on_policy=probability_of_improvement(val, ref_val),
+                poi_vs_on_policy_ci=poi_ci(val, ref_val),
                 collapsed=collapsed,
                 judged=len(judged),
                 collapse_ci=wilson_ci(collapsed, len(judged)),
@@ -396,19 +475,25 @@ def cells_markdown(cells: list[CellSummary], rule: CollapseRule, final_window: i
     """The per-cell table as markdown, with how to read it underneath."""
     keys = list(cells[0].cell) if cells else []
     head = (
-        "| " + " | ".join(k.rsplit(".", 1)[-1] for k in keys) + " | runs | steps | "
-        "val success IQM [95% CI] | val gain (end - start) mean [95% CI] | "
-        "train success IQM [95% CI] | P(improve over ppo) [95% CI] | collapsed [Wilson 95%] | "
-        "clip ratio | approx KL | scale s (mean / min) | exact lag |"
+        "| " + " | ".join(k.rsplit(".", 1)[-1] for k in keys) + " | runs | steps | opt steps "
+        "per batch | val success IQM [95% CI] | val gain (end - start) mean [95% CI] | "
+        "train success IQM [95% CI] | P(improve over ppo) [95% CI] | val vs staleness 0: "
+        "mean diff [95% CI] | collapsed [Wilson 95%] | clip ratio | approx KL | "
+        "scale s (mean / min) | exact lag |"
     )
-    lines = [head, "|" + "---|" * len(keys) + "---:|---:|---|---|---|---|---|---:|---:|---|---:|"]
+    lines = [
+        head,
+        "|" + "---|" * len(keys) + "---:|---:|---:|---|---|---|---|---|---|---:|---:|---|---:|",
+    ]
     for c in sorted(cells, key=_sort_key):
         lines.append(
             "| " + " | ".join(str(v) for v in c.cell.values()) + f" | {c.runs} | "
-            f"{c.steps_mean:.0f} | {_f(c.val_success_iqm)} {_ci(c.val_success_iqm_ci)} | "
+            f"{c.steps_mean:.0f} | {c.optimizer_steps_per_batch} | "
+            f"{_f(c.val_success_iqm)} {_ci(c.val_success_iqm_ci)} | "
             f"{_f(c.val_gain_mean)} {_ci(c.val_gain_ci)} | "
             f"{_f(c.final_success_iqm)} {_ci(c.final_success_iqm_ci)} | "
             f"{_f(c.poi_vs_ppo, 2)} {_ci(c.poi_vs_ppo_ci)} | "
+            f"{_f(c.vs_on_policy)} {_ci(c.vs_on_policy_ci)} | "
             f"{c.collapsed}/{c.judged} {_ci(c.collapse_ci)} | {_f(c.clip_ratio, 4)} | "
             f"{_f(c.approx_kl, 4)} | {_f(c.clip_bias_scale_mean)} / {_f(c.clip_bias_scale_min)} | "
             f"{_f(c.exact_staleness_share, 2)} |"
@@ -421,7 +506,9 @@ def cells_markdown(cells: list[CellSummary], rule: CollapseRule, final_window: i
         f"Train success: training success over each run's last {final_window} steps, IQM. "
         "P(improve over ppo): probability that a run of this variant ends with higher val "
         "success than a ppo run of the same cell otherwise (ties count half), with a 95% "
-        "stratified-bootstrap interval. Collapsed: "
+        "stratified-bootstrap interval. Val vs staleness 0: mean val success of this cell minus "
+        "that of the same cell at staleness 0 (with the decoupled objective where the grid "
+        "leaves the paper's out at 0), with a 95% stratified-bootstrap interval. Collapsed: "
         f"smoothed ({rule.window} steps) success at least {rule.drop} below its best on each "
         f"of the last {rule.last_k} steps, or smoothed malformed share >= {rule.malformed}; "
         "Wilson interval. Clip ratio: fraction of tokens whose clip acted, mean over steps and "

@@ -19,6 +19,7 @@ from learner.sft import (
     DemonstrationError,
     build_demonstration,
     build_demonstrations,
+    skips_last_search,
 )
 from learner.trainer import Learner
 
@@ -69,6 +70,32 @@ def test_build_demonstrations_counts_invalid_records(tiny_llama_dir: Path, clien
     assert built.num_records == len(records()) + 1 and built.num_invalid == 1
     assert len(built.demonstrations) + built.num_answer_not_retrieved == len(records())
     assert len(built.demonstrations) >= 4
+
+
+def test_a_demonstration_without_its_last_search(tiny_llama_dir: Path, client):
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    record = records()[0]  # one search ("Peru"): skipping it answers closed book
+    demo = build_demonstration(record, tok, client.retrieve, skip_last_search=True)
+    assert demo.num_searches == 0 and demo.num_turns == 1 and bool(demo.loss_mask.all())
+    assert tok.decode(demo.response_ids).endswith("<answer> Lima </answer>")
+    assert demo.extra["skipped_search"] is True
+    two = dict(record, id="two", metadata={"search_queries": ["Peru", "Lima"]})
+    demo = build_demonstration(two, tok, client.retrieve, skip_last_search=True)
+    assert demo.num_searches == 1 and "<search> Lima </search>" not in tok.decode(demo.response_ids)
+    # the share picks records by a stable hash of the id: the same ones every time
+    many = [dict(record, id=f"q{i}") for i in range(400)]
+    chosen = [r["id"] for r in many if skips_last_search(r, 0.5)]
+    assert 150 < len(chosen) < 250 and chosen == [
+        r["id"] for r in many if skips_last_search(r, 0.5)
+    ]
+    assert not any(skips_last_search(r, 0.0) for r in many)
+    built = build_demonstrations(many[:40], tok, client.retrieve, skip_last_search_share=0.5)
+    skipped = [d for d in built.demonstrations if d.extra["skipped_search"]]
+    assert built.num_skipped_search == len(skipped) > 0
+    assert {d.question_id for d in skipped} == {
+        r["id"] for r in many[:40] if skips_last_search(r, 0.5)
+    }
+    assert all(d.num_searches == 0 for d in skipped)
 
 
 def test_warm_start_trains_on_policy_tokens_only(tiny_llama_dir: Path, client):

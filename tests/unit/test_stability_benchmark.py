@@ -16,6 +16,8 @@ from services.stability import (
     iqm,
     iqm_ci,
     mean_ci,
+    mean_difference,
+    mean_difference_ci,
     poi_ci,
     probability_of_improvement,
     run_stats,
@@ -129,10 +131,20 @@ def test_wilson_interval_known_answers():
         wilson_ci(3, 2)
 
 
-def _fake_run(root: Path, name: str, variant: str, lag: int, success: list[float]) -> Path:
+def _fake_run(
+    root: Path,
+    name: str,
+    variant: str,
+    lag: int,
+    success: list[float],
+    off_policy: str | None = None,
+    seed: int = 0,
+) -> Path:
     run = root / name
     run.mkdir(parents=True)
-    cfg = {"algorithm": {"variant": variant}, "buffer": {"max_staleness": lag}, "run": {}}
+    algorithm = {"variant": variant} | ({"off_policy": off_policy} if off_policy else {})
+    cfg = {"algorithm": algorithm, "buffer": {"max_staleness": lag}, "run": {"seed": seed},
+           "learner": {"train_batch_size": 8, "mini_batch_size": 4, "ppo_epochs": 2}}  # fmt: skip
     (run / "config.json").write_text(json.dumps(cfg))
     steps = [{"step": i + 1, "success_rate": s, "reward_mean": s, "malformed_rate": 0.0,
               "clip_ratio": 0.1, "approx_kl": 0.01, "token_log_ratio_abs_max": 0.5 + i,
@@ -175,6 +187,36 @@ def test_cell_summaries(tmp_path: Path):
     assert ppo.token_log_ratio_max == pytest.approx(4.5)
     assert ppo.exact_staleness_share == pytest.approx(9 / 10)
     assert st.clip_bias_scale_min == pytest.approx(0.9)
+    assert ppo.optimizer_steps_per_batch == 4  # 2 epochs x 8 / 4 mini-batches
+    assert ppo.val_success_per_seed == pytest.approx([0.6, 0.4]) and ppo.seeds == [0, 0]
+
+
+def test_stale_cells_are_compared_with_staleness_0(tmp_path: Path):
+    rule = CollapseRule(drop=0.3, last_k=2, window=1)
+    ends = {  # (variant, objective, staleness) -> the end value of each seed
+        ("ppo", "decoupled", 0): [0.5, 0.6, 0.7],
+        ("ppo", "decoupled", 8): [0.3, 0.4, 0.5],
+        ("ppo", "behavior", 8): [0.6, 0.7, 0.8],  # no behavior / 0: compared with decoupled / 0
+    }
+    runs = [
+        run_stats(_fake_run(tmp_path, f"{v}-{o}-{lag}-{i}", v, lag, [0.2, end], o, seed=i),
+                  rule, final_window=1)
+        for (v, o, lag), values in ends.items() for i, end in enumerate(values)
+    ]  # fmt: skip
+    cells = {(c.off_policy, c.max_staleness): c for c in cell_summaries(runs)}
+    on, stale, paper = cells["decoupled", 0], cells["decoupled", 8], cells["behavior", 8]
+    assert math.isnan(on.vs_on_policy) and on.on_policy_cell == ""
+    # means 0.4 vs 0.6: -0.2; every stale seed is at or below every on-policy one but one tie
+    assert stale.vs_on_policy == pytest.approx(-0.2)
+    assert stale.on_policy_cell == "ppo / decoupled / 0"
+    low, high = stale.vs_on_policy_ci
+    assert -0.4 <= low < -0.2 < high <= 0.0
+    assert stale.poi_vs_on_policy == pytest.approx(0.5 / 9)  # only 0.5 = 0.5 ties
+    assert (
+        paper.vs_on_policy == pytest.approx(0.1) and paper.on_policy_cell == "ppo / decoupled / 0"
+    )
+    assert mean_difference([1.0, 3.0], [1.0]) == 1.0 and math.isnan(mean_difference([], [1.0]))
+    assert mean_difference_ci([0.5, 0.5], [0.2, 0.2]) == pytest.approx((0.3, 0.3))
 
 
 def test_tokenizer_ids_and_codes_are_single_tokens_and_round_trip():
