@@ -54,7 +54,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.experiment import CollapseRule, read_jsonl, run_collapsed
+from services.collapse import CollapseRule, run_collapsed
+from services.run_records import read_records as read_jsonl
 
 CELL_KEYS: tuple[str, ...] = ("algorithm.variant", "algorithm.off_policy", "buffer.max_staleness")
 """Dotted config keys whose values name a cell (a missing key reads as ``None``)."""

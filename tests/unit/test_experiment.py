@@ -9,17 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from services.collapse import CollapseRule, detect_collapse, run_collapsed
 from services.config import ConfigError, load_config
 from services.experiment import (
     EXPERIMENTS_DIR,
-    CollapseRule,
     ExperimentSpec,
-    detect_collapse,
     experiment_path,
     load_experiment,
     plan_runs,
     plan_warm_start,
-    run_collapsed,
     run_name,
     summarize_experiment,
     summarize_run,
@@ -279,8 +277,6 @@ def test_summarize_experiment_of_a_partial_grid(tmp_path: Path):
 
 def test_format_collapse_counts_even_when_success_never_rose():
     """The ST-PPO staleness-4 run: success flat at 0.08, malformed answers up to 83%."""
-    from services.experiment import CollapseRule, run_collapsed
-
     steps = [
         {"success_rate": 0.08, "reward_mean": 0.08, "malformed_rate": m}
         for m in (0.17, 0.1, 0.3, 0.6, 0.8, 0.83, 0.83)

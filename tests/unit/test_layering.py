@@ -52,3 +52,27 @@ def test_importable_without_ray():
         timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _imported_modules(path) -> set[str]:
+    """Every absolute module a file imports, at any depth (function-level imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_no_import_cycle_among_services_modules():
+    """No ``services`` module imports another that imports it back, even lazily inside a
+    function (``services.experiment`` and ``services.stability`` did)."""
+    graph = {
+        f"services.{p.stem}": {m for m in _imported_modules(p) if m.startswith("services.")}
+        for p in _modules("services")
+        if p.parent.name == "services" and p.stem != "__init__"
+    }
+    cycles = sorted(f"{a} <-> {b}" for a, deps in graph.items() for b in deps
+                    if a < b and a in graph.get(b, set()))  # fmt: skip
+    assert cycles == [], cycles

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from services.collapse import CollapseRule
 from services.config import ConfigError, load_config
-from services.experiment import CollapseRule, ExperimentSpec, plan_runs
+from services.experiment import ExperimentSpec, plan_runs
 from services.stability import (
     cell_summaries,
     iqm,
