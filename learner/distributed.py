@@ -31,6 +31,9 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
+
+import torch
 
 from actors.rendezvous import (
     GroupJoinError,
@@ -258,3 +261,27 @@ def init_single_process_distributed(backend: str = "gloo") -> DistributedInfo:
         backend=dist.get_backend(),
         master_port=int(os.environ["MASTER_PORT"]),
     )
+
+
+def all_reduce_floats(values: Sequence[float], world_size: int, op: str) -> list[float]:
+    """Element-wise sum or max of ``values`` over all ranks (float64; identity on one rank).
+    On NCCL the tensor travels on the current CUDA device."""
+    if world_size == 1:
+        return [float(v) for v in values]
+    import torch.distributed as dist
+
+    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return [float(v) for v in tensor.cpu()]
+
+
+def all_gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """``obj`` of every rank, by rank (``[obj]`` on one rank)."""
+    if world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out

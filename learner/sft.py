@@ -28,7 +28,10 @@ from actors.prompts import information_ids, prompt_ids
 from actors.retrieval_client import Passage
 from actors.scoring import is_multiple_choice, normalize_answer
 from actors.trajectory import Trajectory
+from learner.batch import collate_trajectories
 from learner.config import SFTConfig
+from learner.distributed import all_reduce_floats
+from learner.step_metrics import SupervisedStepMetrics
 
 RetrieveFn = Callable[[list[str]], list[list[Passage]]]
 """``queries -> top-k passages per query`` (e.g. ``RetrievalClient(...).retrieve``)."""
@@ -336,3 +339,79 @@ def run_warm_start(
         wall_s=time.perf_counter() - start,
         policy_version=learner.policy_version,
     )
+
+
+class SupervisedMixin:
+    """The warm start's side of :class:`learner.trainer.Learner` (split out by
+    responsibility, as :mod:`learner.weights` and :mod:`learner.checkpoint`): one SFT
+    optimizer step, the warm start over demonstrations, and the reference reset after it.
+    It uses the learner's engines, micro-batch plan, token statistics and non-finite
+    guard."""
+
+    def supervised_step(self, trajectories: Sequence[Trajectory]) -> SupervisedStepMetrics:
+        """One optimizer step of token-mean cross-entropy on policy tokens (warm-start SFT).
+
+        ``loss = -(1/N) sum_t m_t log pi(y_t)`` over the whole batch (N = policy tokens),
+        accumulated over micro-batches of ``micro_batch_size``; same non-finite guard as
+        :meth:`step`. The critic and reference are untouched. ``policy_version`` increments
+        (the weights changed).
+
+        Raises:
+            ValueError: empty input or a trajectory that fails validation / has no policy
+                token.
+        """
+        start = time.perf_counter()
+        batch = collate_trajectories(list(trajectories), self.pad_token_id)
+        denominator = float(batch.num_policy_tokens)
+        total, finite = 0.0, True
+        for rows, real in self._micro_plan(batch, range(batch.batch_size)):
+            micro = batch.select(rows).to(self.device)
+            logprobs = self._token_stats(self.policy_engine, micro).logprobs
+            loss = -(logprobs * micro.loss_mask).sum() / denominator
+            weight = float(self.world_size) if real else 0.0
+            self._backward(self.policy_engine, loss * weight if weight != 1.0 else loss, logprobs)
+            if real:
+                total += float(loss)
+                finite &= math.isfinite(float(loss))
+        (total,) = all_reduce_floats([total], self.world_size, "sum")
+        applied, grad_norm = self._optimizer_step(self.policy_engine, finite)
+        if not applied:
+            self.nonfinite_steps_total += 1
+        self.policy_version += 1
+        step_s = time.perf_counter() - start
+        return SupervisedStepMetrics(
+            loss=total,
+            grad_norm=grad_norm,
+            num_policy_tokens=batch.num_policy_tokens,
+            skipped=not applied,
+            policy_version=self.policy_version,
+            step_s=step_s,
+            tokens_per_s=batch.num_tokens / step_s,
+        )
+
+    def warm_start(
+        self, demonstrations: Sequence[Trajectory], config: SFTConfig
+    ) -> WarmStartReport:
+        """Warm-start SFT on demonstrations (:func:`learner.sft.run_warm_start`, seeded with
+        the learner's seed); returns its :class:`learner.sft.WarmStartReport`."""
+        report = run_warm_start(
+            self,
+            demonstrations,
+            config,
+            seed=self.seed,
+            progress=print_progress if self.rank == 0 else None,
+        )
+        if config.reference_from_warm_start:
+            self.reset_reference_to_policy()
+        return report
+
+    def reset_reference_to_policy(self) -> None:
+        """Copy the current policy weights into the frozen reference (``kl_ref`` is measured
+        against these from now on); :meth:`save_checkpoint` then saves the reference too.
+        """
+        reference = self.reference_engine.module
+        # a replicated reference loads the full state on every rank; a ZeRO-3 one on rank 0
+        keep = self.rank == 0 or not self._zero3(reference)
+        state = self._module_state(self.policy_engine.module, keep=keep)
+        self._load_module_state(reference, state)
+        self.reference_version = self.policy_version

@@ -29,8 +29,11 @@ One :meth:`Learner.step` (spec sections 2-4) is a sequence of named stages:
    rate (``scale_target = update``) or its policy loss (``loss``).
 5. ``policy_version += 1``; metrics.
 
-Weights leaving the learner (export, the collective weight-sync group) are
-:mod:`learner.weights`, checkpoints :mod:`learner.checkpoint`: :class:`Learner` inherits both.
+The other rooms of the learner, each its own module: the warm start's SFT step
+(:mod:`learner.sft`), weights leaving the learner (export, the collective weight-sync group:
+:mod:`learner.weights`) and checkpoints (:mod:`learner.checkpoint`), which :class:`Learner`
+inherits; what a step measures and how it is gathered across micro-batches and ranks
+(:mod:`learner.step_metrics`).
 
 Data parallel (``num_ranks`` > 1; one learner per rank, ``services/learner_group.py``):
 every rank receives the whole batch and selects, collates, shuffles and cuts mini-batches
@@ -66,13 +69,11 @@ DeepSpeed's gradient buffers; the vectors are summed before the norm); ZeRO stag
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,7 @@ from pydantic import BaseModel, TypeAdapter
 from torch import Tensor
 
 from actors.hardware import resolve_dtype
-from actors.trajectory import Trajectory, TurnSummary, per_turn_summary
+from actors.trajectory import Trajectory
 from learner import advantages as adv_fns
 from learner import losses
 from learner.batch import TrainingBatch, collate_trajectories, token_budget_micro_batches
@@ -89,246 +90,33 @@ from learner.checkpoint import CheckpointMixin
 from learner.config import (
     AlgorithmConfig,
     LearnerConfig,
-    SFTConfig,
     uses_bias_correction,
     uses_critic,
     uses_turn_ratio,
 )
-from learner.distributed import balanced_shards, init_single_process_distributed
+from learner.distributed import (
+    all_gather_objects,
+    all_reduce_floats,
+    balanced_shards,
+    init_single_process_distributed,
+)
 from learner.logprobs import TokenStats, lm_head_of, masked_token_stats
 from learner.modeling import ValueModel, response_logits, token_logprobs
-from learner.sft import WarmStartReport, print_progress, run_warm_start
+from learner.sft import SupervisedMixin
+from learner.step_metrics import (
+    Selection,
+    StepAccumulator,
+    StepMetrics,
+    step_metrics,
+    turn_advantages,
+)
 
 _ALGORITHM_ADAPTER: TypeAdapter = TypeAdapter(AlgorithmConfig)
 logger = logging.getLogger(__name__)
 
-_PER_UPDATE_METRICS = ("pg_loss", "value_loss", "clip_bias_norm", "clip_bias_scale")
-"""Metrics with one value per optimizer step (mini-batch losses, ||C||, s): averaged over
-the step's optimizer steps rather than its micro-batches."""
-
 
 class EmptyBatchError(ValueError):
     """No trajectory of a step is trainable (all excluded); the message says why."""
-
-
-@dataclass
-class StepMetrics(Mapping):
-    """What one learner step measured (names as in spec section 4, units in suffixes).
-
-    Also a read-only ``Mapping`` of field name -> value (``dict(metrics)``,
-    ``metrics.get("skipped_steps")``), which is how the driver logs and exports it.
-
-    Loss-side values are averages over the step's micro-batches (``pg_loss`` and
-    ``value_loss``: over mini-batches of the mini-batch loss); ``grad_norm`` is the mean
-    pre-clip global norm of the applied policy optimizer steps (NaN if none applied).
-
-    Attributes:
-        policy_version: the version *after* this step.
-        global_step: learner steps done, this one included.
-        staleness: ``policy_version_before_step - policy_version_min`` per trained
-            trajectory (the histogram the driver exports).
-        train_logprob_gap: mean |behaviour - learner| log-prob over the policy tokens of
-            staleness-0 trajectories (nats), the learner log-probs taken at the current
-            version before any update of this step (the proximal log-probs of the whole
-            batch with ``off_policy = decoupled``, else the first mini-batch): the
-            inference/training mismatch alone. None without a staleness-0 trajectory.
-        clip_ratio_dual: fraction of policy tokens the dual clip capped.
-        token_bound_ratio: fraction of policy tokens the token log-ratio bound replaced.
-        token_log_ratio_abs_max: largest |log pi_theta - log pi_old| of a policy token over
-            the step's micro-batches (nats), bounded or not.
-        behavior_weight_mean, behavior_weight_max, behavior_weight_capped: decoupled PPO's
-            raw behaviour weights pi_prox / pi_behaviour (mean, max, fraction above the
-            cap); NaN with ``off_policy = behavior``.
-        clip_bias_norm, clip_bias_scale: ||C|| and s, one per optimizer step, averaged.
-        skipped_steps: policy optimizer steps skipped in this step (non-finite loss or
-            gradient norm); ``critic_skipped_steps`` likewise; ``nonfinite_steps_total``:
-            cumulative policy skips since construction.
-        num_excluded_retrieval_failed, num_excluded_no_policy_tokens,
-        num_excluded_singleton_group: trajectories dropped before training, by reason.
-        value_loss, critic_grad_norm: 0.0 for variants without a critic.
-        turn_advantages: per trajectory of the step's input, in input order, the advantage
-            over each policy turn's tokens (:class:`actors.trajectory.TurnSummary`: mean,
-            min, max, after whitening or group normalisation); None for a trajectory
-            excluded from training. For the driver's ``samples.jsonl``; not a gauge.
-    """
-
-    policy_version: int
-    global_step: int
-    variant: str
-    num_trajectories: int
-    num_excluded_retrieval_failed: int
-    num_excluded_no_policy_tokens: int
-    num_excluded_singleton_group: int
-    optimizer_steps: int
-    skipped_steps: int
-    critic_skipped_steps: int
-    nonfinite_steps_total: int
-    clip_ratio: float
-    clip_ratio_turn: float
-    approx_kl: float
-    kl_ref: float
-    entropy: float
-    pg_loss: float
-    value_loss: float
-    grad_norm: float
-    critic_grad_norm: float
-    clip_bias_norm: float
-    clip_bias_scale: float
-    clip_ratio_dual: float
-    token_bound_ratio: float
-    token_log_ratio_abs_max: float
-    behavior_weight_mean: float
-    behavior_weight_max: float
-    behavior_weight_capped: float
-    reward_mean: float
-    success_rate: float
-    num_turns_mean: float
-    response_tokens_mean: float
-    advantage_mean: float
-    advantage_std: float
-    tokens_per_s: float
-    step_s: float
-    train_logprob_gap: float | None
-    staleness: list[int] = field(default_factory=list)
-    turn_advantages: list[list[TurnSummary] | None] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict (JSONL log line)."""
-        return dataclasses.asdict(self)
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self.__dataclass_fields__:
-            raise KeyError(name)
-        return getattr(self, name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.__dataclass_fields__)
-
-    def __len__(self) -> int:
-        return len(self.__dataclass_fields__)
-
-
-@dataclass
-class SupervisedStepMetrics:
-    """One warm-start SFT optimizer step.
-
-    Attributes:
-        loss: token-mean cross-entropy over policy tokens (nats/token), before the update.
-        grad_norm: pre-clip global gradient norm (inf/NaN when skipped).
-        num_policy_tokens: tokens trained on.
-        skipped: True when the non-finite guard skipped the update.
-        policy_version: the version after this step.
-        step_s, tokens_per_s: wall time and real (prompt + response) tokens per second.
-    """
-
-    loss: float
-    grad_norm: float
-    num_policy_tokens: int
-    skipped: bool
-    policy_version: int
-    step_s: float
-    tokens_per_s: float
-
-
-@dataclass
-class _Selection:
-    kept: list[Trajectory]
-    retrieval_failed: int
-    no_policy_tokens: int
-    singleton_group: int
-
-
-@dataclass
-class _StepAccumulator:
-    """Per-step running sums of micro-batch metrics and optimizer outcomes."""
-
-    micro: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    mini: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    optimizer_steps: int = 0
-    skipped: int = 0
-    critic_skipped: int = 0
-    grad_norms: list[float] = field(default_factory=list)
-    critic_grad_norms: list[float] = field(default_factory=list)
-    gap_sum: float = 0.0
-    gap_count: float = 0.0
-    gap_replicated: bool = False
-    behavior: dict[str, float] = field(default_factory=dict)
-    token_log_ratio_abs_max: float = 0.0
-
-    def add_micro(self, metrics: Mapping[str, float], num_tokens: float, num_turns: float) -> None:
-        """Token-weighted sums of one micro-batch's masked-mean metrics (turn-weighted for
-        ``clip_ratio_turn``): the step's value is the mean over all its tokens, whatever the
-        micro-batches and ranks were."""
-        for name in _TOKEN_METRICS:
-            weight = num_turns if name == "clip_ratio_turn" else num_tokens
-            self.micro[name].append(metrics[name] * weight)
-        self.micro["_tokens"].append(num_tokens)
-        self.micro["_turns"].append(num_turns)
-
-    def reduce(self, world_size: int) -> None:
-        """All-reduce the rank-local sums (no-op on one rank): afterwards ``micro`` holds the
-        global sums, ``mini`` the global per-optimizer-step losses, and the maxima and the
-        log-prob gap are global. Every rank calls it once per step, in the same order."""
-        names = [*_TOKEN_METRICS, "_tokens", "_turns"]
-        local = [sum(self.micro[n]) for n in names]
-        local += [v for n in _SUMMED_UPDATE_METRICS for v in self.mini[n]]
-        local += [0.0, 0.0] if self.gap_replicated else [self.gap_sum, self.gap_count]
-        sums = _all_reduce(local, world_size, "sum")
-        for i, n in enumerate(names):
-            self.micro[n] = [sums[i]]
-        i = len(names)
-        for n in _SUMMED_UPDATE_METRICS:
-            k = len(self.mini[n])
-            self.mini[n] = sums[i : i + k]
-            i += k
-        if not self.gap_replicated:
-            self.gap_sum, self.gap_count = sums[i], sums[i + 1]
-        (self.token_log_ratio_abs_max,) = _all_reduce(
-            [self.token_log_ratio_abs_max], world_size, "max"
-        )
-
-    def mean(self, name: str, default: float = 0.0) -> float:
-        if name in _PER_UPDATE_METRICS:
-            values = self.mini[name]
-            return float(sum(values) / len(values)) if values else default
-        weight = sum(self.micro["_turns" if name == "clip_ratio_turn" else "_tokens"])
-        return float(sum(self.micro[name]) / weight) if weight > 0 else default
-
-
-_TOKEN_METRICS = (
-    "clip_ratio", "clip_ratio_turn", "approx_kl", "kl_ref", "entropy", "clip_ratio_dual",
-    "token_bound_ratio",
-)  # fmt: skip
-"""Exported micro-batch metrics that are masked means over policy tokens (turns for
-``clip_ratio_turn``); summed with token weights, so their step value is partition-free."""
-
-_SUMMED_UPDATE_METRICS = ("pg_loss", "value_loss")
-"""Per-optimizer-step losses whose micro-batch terms (global denominators) add up across
-micro-batches and ranks."""
-
-
-def _all_reduce(values: Sequence[float], world_size: int, op: str) -> list[float]:
-    """Element-wise sum or max of ``values`` over all ranks (float64; identity on one rank).
-    On NCCL the tensor travels on the current CUDA device."""
-    if world_size == 1:
-        return [float(v) for v in values]
-    import torch.distributed as dist
-
-    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return [float(v) for v in tensor.cpu()]
-
-
-def _all_gather_objects(obj: Any, world_size: int) -> list[Any]:
-    """``obj`` of every rank, by rank (``[obj]`` on one rank)."""
-    if world_size == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
 
 
 @contextlib.contextmanager
@@ -402,30 +190,13 @@ def _pad_columns(x: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
-def _turn_advantages(
-    trajectories: Sequence[Trajectory], kept: Sequence[Trajectory], batch: TrainingBatch
-) -> list[list[TurnSummary] | None]:
-    """Per input trajectory, :func:`actors.trajectory.per_turn_summary` of its row of
-    ``batch.advantages`` [B, T] (row i is ``kept[i]``); None for one not kept."""
-    rows = {id(t): i for i, t in enumerate(kept)}
-    out: list[list[TurnSummary] | None] = []
-    for t in trajectories:
-        i = rows.get(id(t))
-        if i is None:
-            out.append(None)
-            continue
-        advantages = batch.advantages[i, : t.num_response_tokens].detach().cpu().numpy()
-        out.append(per_turn_summary(advantages, t.turn_ids))
-    return out
-
-
 def _scalar(x: Tensor | float | None) -> float:
     if x is None:
         return float("nan")
     return float(x.item()) if isinstance(x, Tensor) else float(x)
 
 
-class Learner(CheckpointMixin):
+class Learner(CheckpointMixin, SupervisedMixin):
     """Policy + critic + reference under DeepSpeed, trained with the ST-PPO family.
 
     Args:
@@ -621,17 +392,21 @@ class Learner(CheckpointMixin):
         selection = self._select(trajectories, algorithm)
         batch = collate_trajectories(selection.kept, self.pad_token_id)
         staleness = [self.policy_version - int(v) for v in batch.policy_version_min]
-        acc = _StepAccumulator()
+        acc = StepAccumulator()
         self._prepare(batch, algorithm, acc)
         self._optimize(batch, algorithm, acc)
         self.global_step += 1
         self.policy_version += 1
         step_s = time.perf_counter() - start
-        metrics = self._step_metrics(batch, algorithm, selection, acc, staleness, step_s)
-        metrics.turn_advantages = _turn_advantages(trajectories, selection.kept, batch)
+        metrics = step_metrics(
+            batch, algorithm, selection, acc, staleness, step_s,
+            policy_version=self.policy_version, global_step=self.global_step,
+            nonfinite_steps_total=self.nonfinite_steps_total, ppo_epochs=self.config.ppo_epochs,
+        )  # fmt: skip
+        metrics.turn_advantages = turn_advantages(trajectories, selection.kept, batch)
         return metrics
 
-    def _select(self, trajectories: Sequence[Trajectory], algorithm: BaseModel) -> _Selection:
+    def _select(self, trajectories: Sequence[Trajectory], algorithm: BaseModel) -> Selection:
         kept = [t for t in trajectories if not t.retrieval_failed]
         retrieval_failed = len(trajectories) - len(kept)
         with_tokens = [t for t in kept if t.num_policy_tokens > 0]
@@ -650,12 +425,12 @@ class Learner(CheckpointMixin):
                 f"retrieval failed, {no_tokens} without policy tokens, {singleton} alone "
                 "in their group (group-relative advantages need >= 2 per group)"
             )
-        return _Selection(with_tokens, retrieval_failed, no_tokens, singleton)
+        return Selection(with_tokens, retrieval_failed, no_tokens, singleton)
 
     # ------------------------------------------------------------------ prepare (no grad)
 
     @torch.no_grad()
-    def _prepare(self, batch: TrainingBatch, algorithm: BaseModel, acc: _StepAccumulator) -> None:
+    def _prepare(self, batch: TrainingBatch, algorithm: BaseModel, acc: StepAccumulator) -> None:
         width = batch.response_ids.shape[1]
         decoupled = algorithm.off_policy == "decoupled"
         outputs: dict[str, dict[int, Tensor]] = defaultdict(dict)
@@ -672,7 +447,7 @@ class Learner(CheckpointMixin):
                 padded = _pad_columns(value.cpu(), width)
                 outputs[name].update((r, padded[i].clone()) for i, r in enumerate(rows))
         if self.world_size > 1:  # every rank needs every row (whole-batch advantages)
-            for part in _all_gather_objects(dict(outputs), self.world_size):
+            for part in all_gather_objects(dict(outputs), self.world_size):
                 for name, by_row in part.items():
                     outputs[name].update(by_row)
 
@@ -702,7 +477,7 @@ class Learner(CheckpointMixin):
         self._compute_advantages(batch, algorithm)
 
     def _record_logprob_gap(
-        self, batch: TrainingBatch, learner_logprobs: Tensor, acc: _StepAccumulator
+        self, batch: TrainingBatch, learner_logprobs: Tensor, acc: StepAccumulator
     ) -> None:
         """Inference/training mismatch: mean |behaviour - learner| log-prob (nats) over the
         staleness-0 policy tokens only (sampled by the weights the learner holds now: per
@@ -797,7 +572,7 @@ class Learner(CheckpointMixin):
 
     # ------------------------------------------------------------------ optimise
 
-    def _optimize(self, batch: TrainingBatch, algorithm: BaseModel, acc: _StepAccumulator) -> None:
+    def _optimize(self, batch: TrainingBatch, algorithm: BaseModel, acc: StepAccumulator) -> None:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.global_step)
         for epoch in range(self.config.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=generator)
@@ -814,7 +589,7 @@ class Learner(CheckpointMixin):
         return float((per_sequence > 0).sum())
 
     def _train_mini_batch(
-        self, mini: TrainingBatch, algorithm: BaseModel, acc: _StepAccumulator, on_policy: bool
+        self, mini: TrainingBatch, algorithm: BaseModel, acc: StepAccumulator, on_policy: bool
     ) -> None:
         """One optimizer step: micro-batch backwards, one ``||C||`` and one ``s``, the step.
 
@@ -864,7 +639,7 @@ class Learner(CheckpointMixin):
             acc.add_micro(metrics, metrics["num_tokens"], metrics["num_turns"])
         summed_norm_sq = sums.pop("clip_bias_norm_sq", 0.0)
         if norm is None:  # no pre-pass: the micro-batches' squared norms add up (all ranks)
-            summed_norm_sq, clipped = _all_reduce(
+            summed_norm_sq, clipped = all_reduce_floats(
                 [summed_norm_sq, float(any_clipped)], self.world_size, "sum"
             )
             any_clipped = clipped > 0.0
@@ -910,7 +685,7 @@ class Learner(CheckpointMixin):
         algorithm: BaseModel,
         denominator: float,
         on_policy: bool,
-        acc: _StepAccumulator,
+        acc: StepAccumulator,
         kwargs: dict[str, Any],
         loss_scale: float,
         weight: float = 1.0,
@@ -1034,7 +809,7 @@ class Learner(CheckpointMixin):
             grad_sum = [flat]
         if grad_sum is not None:
             norm_sq = torch.stack([g.double().square().sum() for g in grad_sum]).sum().cpu()
-        norm_sq_global, clipped = _all_reduce(
+        norm_sq_global, clipped = all_reduce_floats(
             [0.0 if param else float(norm_sq), float(any_clipped)], self.world_size, "sum"
         )
         if not param:
@@ -1126,7 +901,7 @@ class Learner(CheckpointMixin):
             grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
             norm = _scalar(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
             if self.world_size > 1:  # gradients are reduced inside step(): agree first
-                (bad,) = _all_reduce(
+                (bad,) = all_reduce_floats(
                     [float(not (loss_finite and math.isfinite(norm)))], self.world_size, "max"
                 )
                 if bad > 0.0:
@@ -1165,131 +940,3 @@ class Learner(CheckpointMixin):
         finally:
             del engine.clip_fp32_gradients
         return norms[0] if norms else float("nan")
-
-    # ------------------------------------------------------------------ supervised (SFT)
-
-    def supervised_step(self, trajectories: Sequence[Trajectory]) -> SupervisedStepMetrics:
-        """One optimizer step of token-mean cross-entropy on policy tokens (warm-start SFT).
-
-        ``loss = -(1/N) sum_t m_t log pi(y_t)`` over the whole batch (N = policy tokens),
-        accumulated over micro-batches of ``micro_batch_size``; same non-finite guard as
-        :meth:`step`. The critic and reference are untouched. ``policy_version`` increments
-        (the weights changed).
-
-        Raises:
-            ValueError: empty input or a trajectory that fails validation / has no policy
-                token.
-        """
-        start = time.perf_counter()
-        batch = collate_trajectories(list(trajectories), self.pad_token_id)
-        denominator = float(batch.num_policy_tokens)
-        total, finite = 0.0, True
-        for rows, real in self._micro_plan(batch, range(batch.batch_size)):
-            micro = batch.select(rows).to(self.device)
-            logprobs = self._token_stats(self.policy_engine, micro).logprobs
-            loss = -(logprobs * micro.loss_mask).sum() / denominator
-            weight = float(self.world_size) if real else 0.0
-            self._backward(self.policy_engine, loss * weight if weight != 1.0 else loss, logprobs)
-            if real:
-                total += _scalar(loss)
-                finite &= math.isfinite(_scalar(loss))
-        (total,) = _all_reduce([total], self.world_size, "sum")
-        applied, grad_norm = self._optimizer_step(self.policy_engine, finite)
-        if not applied:
-            self.nonfinite_steps_total += 1
-        self.policy_version += 1
-        step_s = time.perf_counter() - start
-        return SupervisedStepMetrics(
-            loss=total,
-            grad_norm=grad_norm,
-            num_policy_tokens=batch.num_policy_tokens,
-            skipped=not applied,
-            policy_version=self.policy_version,
-            step_s=step_s,
-            tokens_per_s=batch.num_tokens / step_s,
-        )
-
-    def warm_start(
-        self, demonstrations: Sequence[Trajectory], config: SFTConfig
-    ) -> WarmStartReport:
-        """Warm-start SFT on demonstrations (:func:`learner.sft.run_warm_start`, seeded with
-        the learner's seed); returns its :class:`learner.sft.WarmStartReport`."""
-        report = run_warm_start(
-            self,
-            demonstrations,
-            config,
-            seed=self.seed,
-            progress=print_progress if self.rank == 0 else None,
-        )
-        if config.reference_from_warm_start:
-            self.reset_reference_to_policy()
-        return report
-
-    def reset_reference_to_policy(self) -> None:
-        """Copy the current policy weights into the frozen reference (``kl_ref`` is measured
-        against these from now on); :meth:`save_checkpoint` then saves the reference too.
-        """
-        reference = self.reference_engine.module
-        # a replicated reference loads the full state on every rank; a ZeRO-3 one on rank 0
-        keep = self.rank == 0 or not self._zero3(reference)
-        state = self._module_state(self.policy_engine.module, keep=keep)
-        self._load_module_state(reference, state)
-        self.reference_version = self.policy_version
-
-    # ------------------------------------------------------------------ metrics
-
-    def _step_metrics(
-        self,
-        batch: TrainingBatch,
-        algorithm: BaseModel,
-        selection: _Selection,
-        acc: _StepAccumulator,
-        staleness: list[int],
-        step_s: float,
-    ) -> StepMetrics:
-        mask = batch.loss_mask
-        advantages = batch.advantages[mask.bool()]
-
-        def mean_or_nan(values: list[float]) -> float:
-            return float(sum(values) / len(values)) if values else float("nan")
-
-        return StepMetrics(
-            policy_version=self.policy_version,
-            global_step=self.global_step,
-            variant=algorithm.variant,
-            num_trajectories=batch.batch_size,
-            num_excluded_retrieval_failed=selection.retrieval_failed,
-            num_excluded_no_policy_tokens=selection.no_policy_tokens,
-            num_excluded_singleton_group=selection.singleton_group,
-            optimizer_steps=acc.optimizer_steps,
-            skipped_steps=acc.skipped,
-            critic_skipped_steps=acc.critic_skipped,
-            nonfinite_steps_total=self.nonfinite_steps_total,
-            clip_ratio=acc.mean("clip_ratio"),
-            clip_ratio_turn=acc.mean("clip_ratio_turn"),
-            approx_kl=acc.mean("approx_kl"),
-            kl_ref=acc.mean("kl_ref"),
-            entropy=acc.mean("entropy"),
-            pg_loss=acc.mean("pg_loss"),
-            value_loss=acc.mean("value_loss"),
-            grad_norm=mean_or_nan(acc.grad_norms),
-            critic_grad_norm=mean_or_nan(acc.critic_grad_norms) if uses_critic(algorithm) else 0.0,
-            clip_bias_norm=acc.mean("clip_bias_norm"),
-            clip_bias_scale=acc.mean("clip_bias_scale", default=1.0),
-            clip_ratio_dual=acc.mean("clip_ratio_dual"),
-            token_bound_ratio=acc.mean("token_bound_ratio"),
-            token_log_ratio_abs_max=acc.token_log_ratio_abs_max,
-            behavior_weight_mean=acc.behavior.get("behavior_weight_mean", math.nan),
-            behavior_weight_max=acc.behavior.get("behavior_weight_max", math.nan),
-            behavior_weight_capped=acc.behavior.get("behavior_weight_capped", math.nan),
-            reward_mean=float(batch.rewards.mean()),
-            success_rate=float(batch.success.mean()),
-            num_turns_mean=float(batch.num_turns.mean()),
-            response_tokens_mean=float(batch.response_lengths.float().mean()),
-            advantage_mean=float(advantages.mean()),
-            advantage_std=float(advantages.std()) if advantages.numel() > 1 else 0.0,
-            tokens_per_s=batch.num_tokens * self.config.ppo_epochs / step_s,
-            step_s=step_s,
-            train_logprob_gap=acc.gap_sum / acc.gap_count if acc.gap_count > 0 else None,
-            staleness=staleness,
-        )

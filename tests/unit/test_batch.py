@@ -115,14 +115,14 @@ def test_response_logprobs_match_unpadded_shifted_forward():
 def test_turn_advantages_follow_the_input_order_and_skip_the_excluded() -> None:
     """StepMetrics.turn_advantages: row i of the collated batch is kept[i]; the summaries
     come back per input trajectory, None for one the step excluded."""
-    from learner.trainer import _turn_advantages
+    from learner.step_metrics import turn_advantages
 
     a = make_trajectory([5], [11, 12, 90, 13], [1, 1, 0, 1])  # turns 0, 0, env, 1
     excluded = make_trajectory([5], [11], [1])
     b = make_trajectory([5, 6], [14, 15, 16], [1, 1, 1])  # one turn
     batch = collate_trajectories([b, a], pad_token_id=0)  # kept in another order
     batch.advantages = torch.tensor([[0.5, 1.5, -2.0, 0.0], [1.0, 3.0, 7.0, -1.0]])
-    out = _turn_advantages([a, excluded, b], [b, a], batch)
+    out = turn_advantages([a, excluded, b], [b, a], batch)
     # a: turn 0 = (1, 3) -> mean 2; the environment token 7 is not a turn's; turn 1 = -1
     assert [(s.mean, s.min, s.max) for s in out[0]] == [(2.0, 1.0, 3.0), (-1.0, -1.0, -1.0)]
     assert out[1] is None
