@@ -371,8 +371,8 @@ class SupervisedMixin:
             weight = float(self.world_size) if real else 0.0
             self._backward(self.policy_engine, loss * weight if weight != 1.0 else loss, logprobs)
             if real:
-                total += float(loss)
-                finite &= math.isfinite(float(loss))
+                total += float(loss.detach())
+                finite &= math.isfinite(float(loss.detach()))
         (total,) = all_reduce_floats([total], self.world_size, "sum")
         applied, grad_norm = self._optimizer_step(self.policy_engine, finite)
         if not applied:
