@@ -340,14 +340,14 @@ class SFTConfig(StrictModel):
     """Demonstrations per optimizer step."""
 
     skip_last_search_share: float = Field(0.0, ge=0.0, lt=1.0)
-    """Share of demonstrations that leave their last search out and answer anyway (closed
-    book for a one-search question, after the first search for a two-search one), as an
-    imperfect demonstrator would; chosen by a stable hash of the question id
-    (:func:`learner.sft.skips_last_search`). The warm-started policy then skips that search
-    about this often, which fails wherever it has not memorised the answer: RL has a
+    """Probability that a demonstration leaves its last search out (closed book for a
+    one-search question, after the first search for a two-search one) and answers with a
+    guess (another question's gold answer), as an imperfect demonstrator would
+    (:func:`learner.sft.build_demonstrations`, seeded by ``run.seed``). The warm-started
+    policy then skips that search about this often, and a skipped search fails: RL has a
     decision to learn that the warm start left open (the synthetic stability regime,
     ``deploy/configs/experiments/stability_regime_lazy.toml``). 0: every demonstration
-    searches for every entity it needs."""
+    searches for every entity it needs and answers with the gold answer."""
 
     reference_from_warm_start: bool = True
     """After the warm start, the frozen reference (the KL anchor, ``kl_ref``) becomes the

@@ -60,6 +60,13 @@ class RunSection(StrictModel):
     eval_questions: int = Field(64, ge=0, le=1_000_000)
     """Validation questions per evaluation (0 disables evaluation)."""
 
+    eval_sampled: bool = False
+    """Also evaluate the sampling policy: every evaluation runs a second time on the same
+    questions at the rollout temperature, ``rollout.group_size`` episodes per question,
+    logged with the tag ``<tag>_sampled`` (``eval.jsonl``, ``eval_samples.jsonl``). Greedy
+    decoding shows a change only where an argmax flips; the sampled success is what RL
+    maximises, measured on held-out questions."""
+
     samples_per_step: int = Field(2, ge=0, le=1024)
     """Trained trajectories per learner step written in full to ``samples.jsonl`` (and the
     trackers), chosen at random among the step's batch (0 = none)."""

@@ -473,6 +473,7 @@ class Driver:
                 max_information_tokens=self.cfg.rollout.max_information_tokens,
                 system_prompt=self.cfg.rollout.system_prompt,
                 skip_last_search_share=self.cfg.sft.skip_last_search_share,
+                seed=self.cfg.run.seed + 1,
             )  # fmt: skip
         lazy = (
             f", {demos.num_skipped_search} without their last search"
@@ -494,8 +495,9 @@ class Driver:
         self.progress.say(f"warm start done: {_fmt(record)}")
 
     def _evaluate(self, tag: str) -> None:
-        from services.evaluate import summarize_eval
-        from services.records import EVAL_RECORDS, eval_records
+        """Greedy evaluation on the validation questions (``run.eval_questions``), and with
+        ``run.eval_sampled`` the same questions again at the rollout temperature (tag
+        ``<tag>_sampled``)."""
         from services.sampler import evaluation_questions
 
         n = self.cfg.run.eval_questions
@@ -503,7 +505,15 @@ class Driver:
             return
         records = evaluation_questions(self.cfg.data, "validation", n)
         shards = [records[i :: len(self.slots)] for i in range(len(self.slots))]
-        trajectories = self._rollout_shards(shards, tag)
+        self._evaluate_shards(shards, tag, greedy=True)
+        if self.cfg.run.eval_sampled:
+            self._evaluate_shards(shards, f"{tag}_sampled", greedy=False)
+
+    def _evaluate_shards(self, shards: list[list[dict[str, Any]]], tag: str, greedy: bool) -> None:
+        from services.evaluate import summarize_eval
+        from services.records import EVAL_RECORDS, eval_records
+
+        trajectories = self._rollout_shards(shards, tag, greedy=greedy)
         summary = summarize_eval(trajectories)
         summary.update(
             tag=tag, learner_step=self.state.learner_step, policy_version=self.state.policy_version
@@ -518,11 +528,15 @@ class Driver:
         )
         self.progress.say(f"eval ({tag}) validation: {_fmt(summary)}")
 
-    def _rollout_shards(self, shards: list[list[dict[str, Any]]], tag: str) -> list[Any]:
-        """Greedy rollouts of ``shards[i]`` on rollout actor ``i``, all in parallel.
+    def _rollout_shards(
+        self, shards: list[list[dict[str, Any]]], tag: str, greedy: bool = True
+    ) -> list[Any]:
+        """Evaluation rollouts of ``shards[i]`` on rollout actor ``i``, all in parallel:
+        greedy (one episode per question), or with ``greedy = False`` at the rollout
+        temperature (``rollout.group_size`` episodes per question).
 
         An actor that crashes mid-shard (or came back from a restart with the base weights)
-        is counted, re-synced and given its shard again: evaluation is greedy and never trained
+        is counted, re-synced and given its shard again: evaluation is never trained
         on, so re-running it is safe. Raises ``RuntimeError`` after
         ``ray.max_actor_restarts`` failed rounds.
         """
@@ -539,7 +553,7 @@ class Driver:
             # back in order per actor so that progress shows as chunks finish
             queues = {
                 i: [
-                    (k, self.slots[i].handle.rollout.remote(shard[k : k + chunk], greedy=True))
+                    (k, self.slots[i].handle.rollout.remote(shard[k : k + chunk], greedy=greedy))
                     for k in range(0, len(shard), chunk)
                 ]
                 for i, shard in pending.items()

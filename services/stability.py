@@ -11,6 +11,8 @@ the seeds. For each cell (:class:`CellSummary`) over its runs:
   runs), and the mean and sd;
 - validation gain: end minus start (tag ``start``, the same questions before RL), mean with
   a 95% bootstrap interval: does RL improve on its starting point;
+- the same two for the sampling policy where the runs measured it (``run.eval_sampled``:
+  tags ``start_sampled`` and ``end_sampled``, the questions at the rollout temperature);
 - final training success: ``success_rate`` of ``steps.jsonl`` averaged over each run's last
   ``final_window`` steps, IQM and interval likewise;
 - against staleness 0 (for a cell with ``buffer.max_staleness > 0``): the mean final
@@ -239,6 +241,10 @@ class CellSummary:
     val_start_mean: float
     val_gain_mean: float
     val_gain_ci: tuple[float, float]
+    val_sampled_iqm: float
+    val_sampled_iqm_ci: tuple[float, float]
+    val_sampled_gain_mean: float
+    val_sampled_gain_ci: tuple[float, float]
     final_success_iqm: float
     final_success_iqm_ci: tuple[float, float]
     poi_vs_ppo: float
@@ -302,6 +308,10 @@ class RunStats:
     """``algorithm.off_policy`` (the objective)."""
     optimizer_steps_per_batch: int = 1
     """``ppo_epochs * ceil(train_batch_size / mini_batch_size)``."""
+    val_sampled: float = math.nan
+    """Sampled validation success at the end (tag ``end_sampled``, ``run.eval_sampled``)."""
+    val_sampled_start: float = math.nan
+    """Sampled validation success before RL (tag ``start_sampled``)."""
 
 
 def run_stats(
@@ -321,6 +331,8 @@ def run_stats(
     evals = read_jsonl(run_dir / "eval.jsonl")
     end = [e for e in evals if e.get("tag") == "end"]
     begin = [e for e in evals if e.get("tag") == "start"]
+    end_sampled = [e for e in evals if e.get("tag") == "end_sampled"]
+    begin_sampled = [e for e in evals if e.get("tag") == "start_sampled"]
     success = _series(steps, "success_rate")
     scale = _finite(_series(steps, "clip_bias_scale"))
     lag = int(cfg["buffer"]["max_staleness"])
@@ -354,6 +366,8 @@ def run_stats(
         seed=int(cfg["run"]["seed"]),
         off_policy=str(cfg["algorithm"].get("off_policy", "decoupled")),
         optimizer_steps_per_batch=optimizer_steps_per_batch(cfg["learner"]),
+        val_sampled=float(end_sampled[-1]["success_rate"]) if end_sampled else math.nan,
+        val_sampled_start=float(begin_sampled[0]["success_rate"]) if begin_sampled else math.nan,
     )
 
 
@@ -399,6 +413,8 @@ def cell_summaries(runs: list[RunStats]) -> list[CellSummary]:
         cell = rs[0].cell
         val = [r.val_success for r in rs]
         gain = [r.val_success - r.val_start for r in rs]
+        sampled = [r.val_sampled for r in rs]
+        sampled_gain = [r.val_sampled - r.val_sampled_start for r in rs]
         finals = [r.final_success for r in rs]
         is_ppo = cell.get("algorithm.variant") in ("ppo", None)
         ppo_runs = [] if is_ppo else cells.get(_key({**cell, "algorithm.variant": "ppo"}), [])
@@ -427,6 +443,10 @@ def cell_summaries(runs: list[RunStats]) -> list[CellSummary]:
                 val_start_mean=_mean([r.val_start for r in rs]),
                 val_gain_mean=_mean(gain),
                 val_gain_ci=mean_ci(gain),
+                val_sampled_iqm=iqm(sampled),
+                val_sampled_iqm_ci=iqm_ci(sampled),
+                val_sampled_gain_mean=_mean(sampled_gain),
+                val_sampled_gain_ci=mean_ci(sampled_gain),
                 final_success_iqm=iqm(finals),
                 final_success_iqm_ci=iqm_ci(finals),
                 poi_vs_ppo=probability_of_improvement(val, ppo_val) if ppo_runs else math.nan,
@@ -478,13 +498,16 @@ def cells_markdown(cells: list[CellSummary], rule: CollapseRule, final_window: i
     head = (
         "| " + " | ".join(k.rsplit(".", 1)[-1] for k in keys) + " | runs | steps | opt steps "
         "per batch | val success IQM [95% CI] | val gain (end - start) mean [95% CI] | "
+        "sampled val success IQM [95% CI] | sampled val gain mean [95% CI] | "
         "train success IQM [95% CI] | P(improve over ppo) [95% CI] | val vs staleness 0: "
         "mean diff [95% CI] | collapsed [Wilson 95%] | clip ratio | approx KL | "
         "scale s (mean / min) | exact lag |"
     )
     lines = [
         head,
-        "|" + "---|" * len(keys) + "---:|---:|---:|---|---|---|---|---|---|---:|---:|---|---:|",
+        "|"
+        + "---|" * len(keys)
+        + "---:|---:|---:|---|---|---|---|---|---|---|---|---:|---:|---|---:|",
     ]
     for c in sorted(cells, key=_sort_key):
         lines.append(
@@ -492,6 +515,8 @@ def cells_markdown(cells: list[CellSummary], rule: CollapseRule, final_window: i
             f"{c.steps_mean:.0f} | {c.optimizer_steps_per_batch} | "
             f"{_f(c.val_success_iqm)} {_ci(c.val_success_iqm_ci)} | "
             f"{_f(c.val_gain_mean)} {_ci(c.val_gain_ci)} | "
+            f"{_f(c.val_sampled_iqm)} {_ci(c.val_sampled_iqm_ci)} | "
+            f"{_f(c.val_sampled_gain_mean)} {_ci(c.val_sampled_gain_ci)} | "
             f"{_f(c.final_success_iqm)} {_ci(c.final_success_iqm_ci)} | "
             f"{_f(c.poi_vs_ppo, 2)} {_ci(c.poi_vs_ppo_ci)} | "
             f"{_f(c.vs_on_policy)} {_ci(c.vs_on_policy_ci)} | "
@@ -504,6 +529,8 @@ def cells_markdown(cells: list[CellSummary], rule: CollapseRule, final_window: i
         "Val success: greedy success on the held-out questions at the end of each run; IQM "
         "(mean of the middle 50% of seeds) with a 95% percentile-bootstrap interval over seeds. "
         "Val gain: end minus start of the same evaluation, mean over seeds, bootstrap interval. "
+        "Sampled val: the same questions at the rollout temperature (run.eval_sampled; "
+        "'-' where not measured), IQM and gain likewise. "
         f"Train success: training success over each run's last {final_window} steps, IQM. "
         "P(improve over ppo): probability that a run of this variant ends with higher val "
         "success than a ppo run of the same cell otherwise (ties count half), with a 95% "

@@ -19,7 +19,6 @@ from learner.sft import (
     DemonstrationError,
     build_demonstration,
     build_demonstrations,
-    skips_last_search,
 )
 from learner.trainer import Learner
 
@@ -75,27 +74,27 @@ def test_build_demonstrations_counts_invalid_records(tiny_llama_dir: Path, clien
 def test_a_demonstration_without_its_last_search(tiny_llama_dir: Path, client):
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     record = records()[0]  # one search ("Peru"): skipping it answers closed book
-    demo = build_demonstration(record, tok, client.retrieve, skip_last_search=True)
+    demo = build_demonstration(record, tok, client.retrieve, skip_last_search=True, guess="Oslo")
     assert demo.num_searches == 0 and demo.num_turns == 1 and bool(demo.loss_mask.all())
-    assert tok.decode(demo.response_ids).endswith("<answer> Lima </answer>")
-    assert demo.extra["skipped_search"] is True
+    assert tok.decode(demo.response_ids).endswith("<answer> Oslo </answer>")
+    assert demo.extra["skipped_search"] is True and (demo.reward, demo.success) == (0.0, False)
     two = dict(record, id="two", metadata={"search_queries": ["Peru", "Lima"]})
     demo = build_demonstration(two, tok, client.retrieve, skip_last_search=True)
     assert demo.num_searches == 1 and "<search> Lima </search>" not in tok.decode(demo.response_ids)
-    # the share picks records by a stable hash of the id: the same ones every time
-    many = [dict(record, id=f"q{i}") for i in range(400)]
-    chosen = [r["id"] for r in many if skips_last_search(r, 0.5)]
-    assert 150 < len(chosen) < 250 and chosen == [
-        r["id"] for r in many if skips_last_search(r, 0.5)
-    ]
-    assert not any(skips_last_search(r, 0.0) for r in many)
-    built = build_demonstrations(many[:40], tok, client.retrieve, skip_last_search_share=0.5)
+    assert tok.decode(demo.response_ids).endswith("<answer> Lima </answer>")  # no guess: gold
+    # each entry of the list is its own draw: a question listed twice can go both ways
+    many = [dict(r, id=f"{r['id']}-{k}") for k in range(10) for r in records()]
+    built = build_demonstrations(many, tok, client.retrieve, skip_last_search_share=0.5, seed=3)
     skipped = [d for d in built.demonstrations if d.extra["skipped_search"]]
-    assert built.num_skipped_search == len(skipped) > 0
-    assert {d.question_id for d in skipped} == {
-        r["id"] for r in many[:40] if skips_last_search(r, 0.5)
-    }
-    assert all(d.num_searches == 0 for d in skipped)
+    assert built.num_skipped_search == len(skipped)
+    assert 0.3 < len(skipped) / len(built.demonstrations) < 0.7
+    assert all(d.num_searches == 0 and not d.success for d in skipped)  # a guess, never gold
+    golds = {a for r in records() for a in r["golden_answers"]}
+    assert all(d.answer in golds for d in skipped)  # another question's answer
+    again = build_demonstrations(many, tok, client.retrieve, skip_last_search_share=0.5, seed=3)
+    assert [d.answer for d in again.demonstrations] == [d.answer for d in built.demonstrations]
+    none = build_demonstrations(many, tok, client.retrieve, seed=3)
+    assert none.num_skipped_search == 0
 
 
 def test_warm_start_trains_on_policy_tokens_only(tiny_llama_dir: Path, client):

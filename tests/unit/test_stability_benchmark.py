@@ -156,7 +156,9 @@ def _fake_run(
     (run / "consumed.jsonl").write_text("".join(json.dumps(c) + "\n" for c in consumed))
     evals = [
         {"tag": "start", "success_rate": success[0]},
+        {"tag": "start_sampled", "success_rate": success[0] / 2},  # run.eval_sampled
         {"tag": "end", "success_rate": success[-1]},
+        {"tag": "end_sampled", "success_rate": success[-1] / 2},
     ]
     (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
     return run
@@ -190,6 +192,9 @@ def test_cell_summaries(tmp_path: Path):
     assert st.clip_bias_scale_min == pytest.approx(0.9)
     assert ppo.optimizer_steps_per_batch == 4  # 2 epochs x 8 / 4 mini-batches
     assert ppo.val_success_per_seed == pytest.approx([0.6, 0.4]) and ppo.seeds == [0, 0]
+    # sampled evaluations at half the greedy values: 0.3 and 0.2 from 0.1 and 0.1
+    assert ppo.val_sampled_iqm == pytest.approx(0.25)
+    assert ppo.val_sampled_gain_mean == pytest.approx(0.15)
 
 
 def test_stale_cells_are_compared_with_staleness_0(tmp_path: Path):
