@@ -339,15 +339,15 @@ class SFTConfig(StrictModel):
     batch_size: int = Field(8, ge=1, le=1024)
     """Demonstrations per optimizer step."""
 
-    skip_last_search_share: float = Field(0.0, ge=0.0, lt=1.0)
-    """Probability that a demonstration leaves its last search out (closed book for a
-    one-search question, after the first search for a two-search one) and answers with a
-    guess (another question's gold answer), as an imperfect demonstrator would
+    closed_book_share: float = Field(0.0, ge=0.0, lt=1.0)
+    """Probability that a demonstration answers at once, without searching, with a guess
+    (another question's gold answer), as an imperfect demonstrator would
     (:func:`learner.sft.build_demonstrations`, seeded by ``run.seed``). The warm-started
-    policy then skips that search about this often, and a skipped search fails: RL has a
-    decision to learn that the warm start left open (the synthetic stability regime,
-    ``deploy/configs/experiments/stability_regime_lazy.toml``). 0: every demonstration
-    searches for every entity it needs and answers with the gold answer."""
+    policy then answers closed book about this often, which fails wherever it has not
+    memorised the answer: RL has a decision to learn that the warm start left open (the
+    synthetic stability regime, ``deploy/configs/experiments/stability_regime_lazy.toml``).
+    0: every demonstration searches for every entity it needs and answers with the gold
+    answer."""
 
     reference_from_warm_start: bool = True
     """After the warm start, the frozen reference (the KL anchor, ``kl_ref``) becomes the

@@ -59,8 +59,8 @@ class DemonstrationSet:
             answer (only with ``require_answer_in_passages``).
         num_invalid: dropped records (no search queries, no gold answer...), with reasons
             in ``invalid_reasons``.
-        num_skipped_search: demonstrations built without their last search
-            (``skip_last_search_share``).
+        num_closed_book: demonstrations built without any search, answering with a guess
+            (``closed_book_share``).
     """
 
     demonstrations: list[Trajectory] = field(default_factory=list)
@@ -68,7 +68,7 @@ class DemonstrationSet:
     num_answer_not_retrieved: int = 0
     num_invalid: int = 0
     invalid_reasons: list[str] = field(default_factory=list)
-    num_skipped_search: int = 0
+    num_closed_book: int = 0
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -124,7 +124,7 @@ def build_demonstration(
     max_information_tokens: int = 256,
     require_answer_in_passages: bool = True,
     system_prompt: str | None = None,
-    skip_last_search: bool = False,
+    closed_book: bool = False,
     guess: str | None = None,
 ) -> Trajectory | None:
     """One demonstration trajectory for a QA record (format in the module docstring).
@@ -140,9 +140,8 @@ def build_demonstration(
             answer.
         system_prompt: the agent's system message (``rollout.system_prompt``; None =
             Search-R1's), so the demonstrations show the prompt the rollouts will use.
-        skip_last_search: leave the last search out (closed book for a one-search
-            question, after the first search for a two-search one): an imperfect
-            demonstrator's shortcut. Such a demonstration is never dropped for
+        closed_book: answer at once, without any search: an imperfect demonstrator's
+            shortcut. Such a demonstration is never dropped for
             ``require_answer_in_passages``.
         guess: the answer written instead of the gold one (what a demonstrator that
             skipped the lookup guesses); None: the gold answer.
@@ -157,8 +156,8 @@ def build_demonstration(
         actors.retrieval_client.RetrievalFailed: the server did not answer.
     """
     queries = _search_queries(record)
-    if skip_last_search:
-        queries = queries[:-1]
+    if closed_book:
+        queries = []
     answer = _gold_answer(record)
     if is_multiple_choice(record):
         answer = str((record.get("metadata") or {}).get("answer_letter", answer))
@@ -178,7 +177,7 @@ def build_demonstration(
         turn_ids += [turn] * len(policy) + [-1] * len(env)
     if (
         require_answer_in_passages
-        and not skip_last_search
+        and not closed_book
         and not answer_in_passages(record, retrieved)
     ):
         return None
@@ -205,7 +204,7 @@ def build_demonstration(
         data_source=str(record["data_source"]),
         finish_reason="answer",
         answer=answer,
-        extra={"demonstration": True, "skipped_search": skip_last_search},
+        extra={"demonstration": True, "closed_book": closed_book},
     ).validate()
 
 
@@ -217,22 +216,25 @@ def build_demonstrations(
     max_information_tokens: int = 256,
     require_answer_in_passages: bool = True,
     system_prompt: str | None = None,
-    skip_last_search_share: float = 0.0,
+    closed_book_share: float = 0.0,
     seed: int = 0,
 ) -> DemonstrationSet:
     """:func:`build_demonstration` over many records; invalid records are counted with
     their reason, not raised (a retrieval failure still raises: that is an outage).
 
-    With ``skip_last_search_share`` each demonstration (each entry of ``records``; a
-    question drawn twice is demonstrated twice, independently) leaves its last search out
-    with that probability and answers with a guess: the gold answer of another question
-    of ``records``, drawn at random among those whose answer differs. Seeded by ``seed``.
+    With ``closed_book_share`` each demonstration (each entry of ``records``; a question
+    drawn twice is demonstrated twice, independently) is with that probability a closed-book
+    guess: no search, and the gold answer of another question of ``records``, drawn at
+    random among those whose answer differs. Seeded by ``seed``. (A guess after some of the
+    searches would teach the policy to answer against what it just read: on the synthetic
+    task it then wrote record ids as answers; closed book keeps the decision to search apart
+    from reading.)
     """
     out = DemonstrationSet()
     rng = random.Random(seed)
     for record in records:
         out.num_records += 1
-        skip = skip_last_search_share > 0.0 and rng.random() < skip_last_search_share
+        skip = closed_book_share > 0.0 and rng.random() < closed_book_share
         guess = _guess(record, records, rng) if skip else None
         try:
             demo = build_demonstration(
@@ -242,7 +244,7 @@ def build_demonstrations(
                 max_information_tokens=max_information_tokens,
                 require_answer_in_passages=require_answer_in_passages,
                 system_prompt=system_prompt,
-                skip_last_search=skip,
+                closed_book=skip,
                 guess=guess,
             )
         except DemonstrationError as err:
@@ -253,7 +255,7 @@ def build_demonstrations(
             out.num_answer_not_retrieved += 1
         else:
             out.demonstrations.append(demo)
-            out.num_skipped_search += int(skip)
+            out.num_closed_book += int(skip)
     return out
 
 

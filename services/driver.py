@@ -472,12 +472,12 @@ class Driver:
                 records, tokenizer, client.retrieve,
                 max_information_tokens=self.cfg.rollout.max_information_tokens,
                 system_prompt=self.cfg.rollout.system_prompt,
-                skip_last_search_share=self.cfg.sft.skip_last_search_share,
+                closed_book_share=self.cfg.sft.closed_book_share,
                 seed=self.cfg.run.seed + 1,
             )  # fmt: skip
         lazy = (
-            f", {demos.num_skipped_search} without their last search"
-            if self.cfg.sft.skip_last_search_share > 0.0
+            f", {demos.num_closed_book} closed-book guesses"
+            if self.cfg.sft.closed_book_share > 0.0
             else ""
         )
         self.progress.say(

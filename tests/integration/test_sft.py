@@ -71,30 +71,29 @@ def test_build_demonstrations_counts_invalid_records(tiny_llama_dir: Path, clien
     assert len(built.demonstrations) >= 4
 
 
-def test_a_demonstration_without_its_last_search(tiny_llama_dir: Path, client):
+def test_closed_book_demonstrations(tiny_llama_dir: Path, client):
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    record = records()[0]  # one search ("Peru"): skipping it answers closed book
-    demo = build_demonstration(record, tok, client.retrieve, skip_last_search=True, guess="Oslo")
+    record = records()[0]
+    demo = build_demonstration(record, tok, client.retrieve, closed_book=True, guess="Oslo")
     assert demo.num_searches == 0 and demo.num_turns == 1 and bool(demo.loss_mask.all())
     assert tok.decode(demo.response_ids).endswith("<answer> Oslo </answer>")
-    assert demo.extra["skipped_search"] is True and (demo.reward, demo.success) == (0.0, False)
+    assert demo.extra["closed_book"] is True and (demo.reward, demo.success) == (0.0, False)
     two = dict(record, id="two", metadata={"search_queries": ["Peru", "Lima"]})
-    demo = build_demonstration(two, tok, client.retrieve, skip_last_search=True)
-    assert demo.num_searches == 1 and "<search> Lima </search>" not in tok.decode(demo.response_ids)
+    demo = build_demonstration(two, tok, client.retrieve, closed_book=True)
+    assert demo.num_searches == 0 and "<search>" not in tok.decode(demo.response_ids)
     assert tok.decode(demo.response_ids).endswith("<answer> Lima </answer>")  # no guess: gold
     # each entry of the list is its own draw: a question listed twice can go both ways
     many = [dict(r, id=f"{r['id']}-{k}") for k in range(10) for r in records()]
-    built = build_demonstrations(many, tok, client.retrieve, skip_last_search_share=0.5, seed=3)
-    skipped = [d for d in built.demonstrations if d.extra["skipped_search"]]
-    assert built.num_skipped_search == len(skipped)
-    assert 0.3 < len(skipped) / len(built.demonstrations) < 0.7
-    assert all(d.num_searches == 0 and not d.success for d in skipped)  # a guess, never gold
+    built = build_demonstrations(many, tok, client.retrieve, closed_book_share=0.5, seed=3)
+    guessed = [d for d in built.demonstrations if d.extra["closed_book"]]
+    assert built.num_closed_book == len(guessed)
+    assert 0.3 < len(guessed) / len(built.demonstrations) < 0.7
+    assert all(d.num_searches == 0 and not d.success for d in guessed)  # a guess, never gold
     golds = {a for r in records() for a in r["golden_answers"]}
-    assert all(d.answer in golds for d in skipped)  # another question's answer
-    again = build_demonstrations(many, tok, client.retrieve, skip_last_search_share=0.5, seed=3)
+    assert all(d.answer in golds for d in guessed)  # another question's answer
+    again = build_demonstrations(many, tok, client.retrieve, closed_book_share=0.5, seed=3)
     assert [d.answer for d in again.demonstrations] == [d.answer for d in built.demonstrations]
-    none = build_demonstrations(many, tok, client.retrieve, seed=3)
-    assert none.num_skipped_search == 0
+    assert build_demonstrations(many, tok, client.retrieve, seed=3).num_closed_book == 0
 
 
 def test_warm_start_trains_on_policy_tokens_only(tiny_llama_dir: Path, client):
