@@ -175,11 +175,7 @@ def build_demonstration(
         response += policy + env
         loss_mask += [1] * len(policy) + [0] * len(env)
         turn_ids += [turn] * len(policy) + [-1] * len(env)
-    if (
-        require_answer_in_passages
-        and not closed_book
-        and not answer_in_passages(record, retrieved)
-    ):
+    if require_answer_in_passages and not closed_book and not answer_in_passages(record, retrieved):
         return None
     final = _encode(tokenizer, ANSWER_THOUGHT.format(answer=answer))
     response += final

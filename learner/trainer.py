@@ -650,7 +650,8 @@ class Learner(CheckpointMixin, SupervisedMixin):
         for name in ("pg_loss", "value_loss", "clip_bias_norm", "clip_bias_scale"):
             if name in sums or name == "pg_loss" or uses_critic(algorithm):
                 acc.mini[name].append(sums.get(name, 0.0))
-        lr_scale = scale if bias and algorithm.scale_target == "update" else 1.0
+        warmup = self.lr_warmup_factor()
+        lr_scale = warmup * (scale if bias and algorithm.scale_target == "update" else 1.0)
         with _scaled_learning_rate(self.policy_engine.optimizer, lr_scale):
             applied, grad_norm = self._optimizer_step(self.policy_engine, policy_finite)
         acc.optimizer_steps += 1
@@ -660,11 +661,19 @@ class Learner(CheckpointMixin, SupervisedMixin):
             acc.skipped += 1
             self.nonfinite_steps_total += 1
         if uses_critic(algorithm):
-            applied, grad_norm = self._optimizer_step(self.critic_engine, critic_finite)
+            with _scaled_learning_rate(self.critic_engine.optimizer, warmup):
+                applied, grad_norm = self._optimizer_step(self.critic_engine, critic_finite)
             if applied:
                 acc.critic_grad_norms.append(grad_norm)
             else:
                 acc.critic_skipped += 1
+
+    def lr_warmup_factor(self) -> float:
+        """Linear warm-up of both learning rates over the first ``config.lr_warmup_steps``
+        learner steps: ``min(1, (global_step + 1) / lr_warmup_steps)`` (1 when 0). Counted
+        in learner steps, which checkpoints keep, so a resumed run continues the ramp."""
+        steps = self.config.lr_warmup_steps
+        return 1.0 if steps <= 0 else min(1.0, (self.global_step + 1) / steps)
 
     @staticmethod
     def _bias_scale(norm: Tensor, any_clipped: bool, algorithm: BaseModel) -> float:
