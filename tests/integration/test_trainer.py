@@ -147,6 +147,26 @@ def test_set_lr_changes_optimizer_learning_rates(learner: Learner):
         learner.set_lr(actor_lr=0.0)
 
 
+def test_lr_warmup_scales_the_first_updates_and_restores_the_rates(tiny_llama_dir):
+    """With ``lr_warmup_steps = 4`` the first step moves the policy a quarter as far as the
+    same step without warm-up (AdamW's first update is linear in lr), and the configured
+    rates are back afterwards."""
+    moved = {}
+    for warmup in (0, 4):
+        learner = Learner(
+            tiny_llama_dir, learner_config(mini_batch_size=4, lr_warmup_steps=warmup),
+            PPOConfig(), seed=0,
+        )  # fmt: skip
+        before = policy_state(learner)
+        assert learner.lr_warmup_factor() == (1.0 if warmup == 0 else 0.25)
+        learner.step(make_batch(seed=1))
+        after = policy_state(learner)
+        moved[warmup] = sum(float((after[k] - before[k]).abs().sum()) for k in before)
+        assert learner.learning_rates() == {"actor_lr": 1e-3, "critic_lr": 1e-3}
+        assert learner.lr_warmup_factor() == (1.0 if warmup == 0 else 0.5)
+    assert moved[4] == pytest.approx(moved[0] / 4, rel=0.02)
+
+
 def test_checkpoint_round_trip_restores_weights_optimizer_step_and_version(
     learner: Learner, tmp_path: Path, tiny_llama_dir
 ):
