@@ -347,15 +347,16 @@ class SFTConfig(StrictModel):
     batch_size: int = Field(8, ge=1, le=1024)
     """Demonstrations per optimizer step."""
 
-    closed_book_share: float = Field(0.0, ge=0.0, lt=1.0)
-    """Probability that a demonstration answers at once, without searching, with a guess
-    (another question's gold answer), as an imperfect demonstrator would
-    (:func:`learner.sft.build_demonstrations`, seeded by ``run.seed``). The warm-started
-    policy then answers closed book about this often, which fails wherever it has not
-    memorised the answer: RL has a decision to learn that the warm start left open (the
-    synthetic stability regime, ``deploy/configs/experiments/stability_regime_lazy.toml``).
-    0: every demonstration searches for every entity it needs and answers with the gold
-    answer."""
+    early_answer_share: float = Field(0.0, ge=0.0, lt=1.0)
+    """Probability that a demonstration of a question needing more than one search stops
+    after its first search and answers what that search returned (the record's
+    ``metadata.partial_answer``), as a demonstrator that missed that the question asks about
+    a linked record would (:func:`learner.sft.build_demonstrations`, seeded by
+    ``run.seed``). The warm-started policy then answers early about this often, which is
+    wrong: RL has a decision to learn (search again or answer now) that the warm start
+    left open (the synthetic stability regime,
+    ``deploy/configs/experiments/stability_regime_early.toml``). 0: every demonstration
+    searches for every entity it needs."""
 
     reference_from_warm_start: bool = True
     """After the warm start, the frozen reference (the KL anchor, ``kl_ref``) becomes the

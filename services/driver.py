@@ -472,14 +472,18 @@ class Driver:
                 records, tokenizer, client.retrieve,
                 max_information_tokens=self.cfg.rollout.max_information_tokens,
                 system_prompt=self.cfg.rollout.system_prompt,
-                closed_book_share=self.cfg.sft.closed_book_share,
+                early_answer_share=self.cfg.sft.early_answer_share,
                 seed=self.cfg.run.seed + 1,
             )  # fmt: skip
-        lazy = (
-            f", {demos.num_closed_book} closed-book guesses"
-            if self.cfg.sft.closed_book_share > 0.0
-            else ""
-        )
+        lazy = ""
+        if self.cfg.sft.early_answer_share > 0.0:
+            if demos.num_early_answer == 0:
+                raise ValueError(
+                    "sft.early_answer_share > 0 but no demonstrated question needs two "
+                    "searches and names a metadata.partial_answer (the synthetic task "
+                    "writes them since its version 2: stppo prepare-synthetic --force)"
+                )
+            lazy = f", {demos.num_early_answer} answering after their first search"
         self.progress.say(
             f"warm start: {len(demos.demonstrations)} demonstrations "
             f"({demos.num_answer_not_retrieved} skipped: answer not retrieved, "

@@ -12,7 +12,8 @@ built from a seed, in the formats of the real assets (:mod:`services.prepare`), 
 - ``qa/single_hop/{train,validation,test}.jsonl``: "What is the access code of record
   K4821?" (one search: ``K4821``); ``qa/multi_hop/...``: "Record K4821 links to another
   record. What is the access code of that record?" (two searches: ``K4821``, then the
-  linked id). Records (not questions) are split 80/10/10, so validation and test ask about
+  linked id; ``metadata.partial_answer`` is K4821's own code, what stopping after the
+  first search would answer). Records (not questions) are split 80/10/10, so validation and test ask about
   records no training question names. Scored by exact match (:mod:`actors.reward`);
 - ``index/bm25``: the retrieval server's BM25 index (built by
   :func:`retrieval_server.index.build_index`); the record's id is its title, so it ranks
@@ -62,6 +63,10 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 MODEL_NAME = "tiny-llama"
 """Folder name of the policy under ``<data_dir>/model``."""
+
+TASK_VERSION = 2
+"""Version of what a build contains, beside its spec (2: two-hop questions name the first
+record's code as ``metadata.partial_answer``); a build of another version is rebuilt."""
 
 MANIFEST = "manifest.json"
 """Written last: its presence (with a matching spec) marks a complete build."""
@@ -207,6 +212,7 @@ def qa_records(records: list[SyntheticRecord], seed: int) -> dict[str, dict[str,
             two.append(make_record(
                 "multi_hop", "linked_code", r.rid, two_hop_question(r), [linked.code], r.rid,
                 [r.rid, linked.rid], str(index[linked.rid]), bridge=linked.rid,
+                partial_answer=r.code,
             ))  # fmt: skip
         out["single_hop"][split] = one
         out["multi_hop"][split] = two
@@ -335,7 +341,12 @@ def build_synthetic(
     spec = spec or SyntheticSpec()
     start = time.perf_counter()
     manifest = _read_manifest(data_dir)
-    if manifest is not None and manifest.get("spec") == spec.model_dump() and not force:
+    if (
+        manifest is not None
+        and manifest.get("spec") == spec.model_dump()
+        and manifest.get("task_version") == TASK_VERSION
+        and not force
+    ):
         return SyntheticReport(
             data_dir, False, manifest["num_records"], manifest["num_questions"],
             manifest["num_params"], manifest["vocab_size"], time.perf_counter() - start,
@@ -361,6 +372,7 @@ def build_synthetic(
     counts = {n: {s: len(rows) for s, rows in splits.items()} for n, splits in qa.items()}
     manifest = {
         "spec": spec.model_dump(),
+        "task_version": TASK_VERSION,
         "num_records": len(records),
         "num_questions": counts,
         "num_params": num_params,

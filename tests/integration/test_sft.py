@@ -71,29 +71,33 @@ def test_build_demonstrations_counts_invalid_records(tiny_llama_dir: Path, clien
     assert len(built.demonstrations) >= 4
 
 
-def test_closed_book_demonstrations(tiny_llama_dir: Path, client):
+def test_early_answer_demonstrations(tiny_llama_dir: Path, client):
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    record = records()[0]
-    demo = build_demonstration(record, tok, client.retrieve, closed_book=True, guess="Oslo")
-    assert demo.num_searches == 0 and demo.num_turns == 1 and bool(demo.loss_mask.all())
-    assert tok.decode(demo.response_ids).endswith("<answer> Oslo </answer>")
-    assert demo.extra["closed_book"] is True and (demo.reward, demo.success) == (0.0, False)
-    two = dict(record, id="two", metadata={"search_queries": ["Peru", "Lima"]})
-    demo = build_demonstration(two, tok, client.retrieve, closed_book=True)
-    assert demo.num_searches == 0 and "<search>" not in tok.decode(demo.response_ids)
-    assert tok.decode(demo.response_ids).endswith("<answer> Lima </answer>")  # no guess: gold
-    # each entry of the list is its own draw: a question listed twice can go both ways
-    many = [dict(r, id=f"{r['id']}-{k}") for k in range(10) for r in records()]
-    built = build_demonstrations(many, tok, client.retrieve, closed_book_share=0.5, seed=3)
-    guessed = [d for d in built.demonstrations if d.extra["closed_book"]]
-    assert built.num_closed_book == len(guessed)
-    assert 0.3 < len(guessed) / len(built.demonstrations) < 0.7
-    assert all(d.num_searches == 0 and not d.success for d in guessed)  # a guess, never gold
-    golds = {a for r in records() for a in r["golden_answers"]}
-    assert all(d.answer in golds for d in guessed)  # another question's answer
-    again = build_demonstrations(many, tok, client.retrieve, closed_book_share=0.5, seed=3)
+    two = dict(records()[0], id="two",
+               metadata={"search_queries": ["Peru", "Lima"], "partial_answer": "Peru"})  # fmt: skip
+    demo = build_demonstration(two, tok, client.retrieve, early_answer=True)
+    text = tok.decode(demo.response_ids)
+    assert (
+        demo.num_searches == 1
+        and "<search> Peru </search>" in text
+        and "Lima </search>" not in text
+    )
+    assert text.endswith("<answer> Peru </answer>")  # what the first search returned
+    assert demo.extra["early_answer"] is True and (demo.reward, demo.success) == (0.0, False)
+    with pytest.raises(DemonstrationError, match="partial_answer"):
+        build_demonstration(dict(two, metadata={"search_queries": ["Peru", "Lima"]}), tok,
+                            client.retrieve, early_answer=True)  # fmt: skip
+    # each entry of the list is its own draw (a question listed twice can go both ways); a
+    # one-search question, or one without a partial answer, is always demonstrated in full
+    many = [dict(two, id=f"two-{k}") for k in range(60)] + [dict(r, id=f"{r['id']}-{k}")
+            for k in range(3) for r in records()]  # fmt: skip
+    built = build_demonstrations(many, tok, client.retrieve, early_answer_share=0.5, seed=3)
+    early = [d for d in built.demonstrations if d.extra["early_answer"]]
+    assert built.num_early_answer == len(early) and 15 < len(early) < 45
+    assert {d.question_id for d in early} <= {f"two-{k}" for k in range(60)}
+    again = build_demonstrations(many, tok, client.retrieve, early_answer_share=0.5, seed=3)
     assert [d.answer for d in again.demonstrations] == [d.answer for d in built.demonstrations]
-    assert build_demonstrations(many, tok, client.retrieve, seed=3).num_closed_book == 0
+    assert build_demonstrations(many, tok, client.retrieve, seed=3).num_early_answer == 0
 
 
 def test_warm_start_trains_on_policy_tokens_only(tiny_llama_dir: Path, client):
