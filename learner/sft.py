@@ -61,6 +61,8 @@ class DemonstrationSet:
             in ``invalid_reasons``.
         num_early_answer: demonstrations that stopped after their first search and answered
             what it returned (``early_answer_share``).
+        num_early_eligible: records that could be (more than one search and a
+            ``metadata.partial_answer``).
     """
 
     demonstrations: list[Trajectory] = field(default_factory=list)
@@ -69,6 +71,7 @@ class DemonstrationSet:
     num_invalid: int = 0
     invalid_reasons: list[str] = field(default_factory=list)
     num_early_answer: int = 0
+    num_early_eligible: int = 0
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -237,12 +240,11 @@ def build_demonstrations(
     rng = random.Random(seed)
     for record in records:
         out.num_records += 1
-        early = (
-            early_answer_share > 0.0
-            and len(_search_queries_or_none(record)) > 1
-            and bool((record.get("metadata") or {}).get("partial_answer"))
-            and rng.random() < early_answer_share
+        eligible = len(_search_queries_or_none(record)) > 1 and bool(
+            (record.get("metadata") or {}).get("partial_answer")
         )
+        out.num_early_eligible += int(eligible)
+        early = eligible and early_answer_share > 0.0 and rng.random() < early_answer_share
         try:
             demo = build_demonstration(
                 record,

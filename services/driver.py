@@ -477,7 +477,7 @@ class Driver:
             )  # fmt: skip
         lazy = ""
         if self.cfg.sft.early_answer_share > 0.0:
-            if demos.num_early_answer == 0:
+            if demos.num_early_eligible == 0:
                 raise ValueError(
                     "sft.early_answer_share > 0 but no demonstrated question needs two "
                     "searches and names a metadata.partial_answer (the synthetic task "

@@ -97,7 +97,8 @@ def test_early_answer_demonstrations(tiny_llama_dir: Path, client):
     assert {d.question_id for d in early} <= {f"two-{k}" for k in range(60)}
     again = build_demonstrations(many, tok, client.retrieve, early_answer_share=0.5, seed=3)
     assert [d.answer for d in again.demonstrations] == [d.answer for d in built.demonstrations]
-    assert build_demonstrations(many, tok, client.retrieve, seed=3).num_early_answer == 0
+    none = build_demonstrations(many, tok, client.retrieve, seed=3)
+    assert none.num_early_answer == 0 and none.num_early_eligible == 60
 
 
 def test_warm_start_trains_on_policy_tokens_only(tiny_llama_dir: Path, client):

@@ -44,6 +44,8 @@ def test_stability_grid_short(tmp_path: Path):
         "learner.mini_batch_size": BATCH,
         "learner.micro_batch_size": BATCH,
         "sft.num_demonstrations": 8,
+        "sft.early_answer_share": 0.5,  # the answer grid's warm start, in small
+        "run.eval_sampled": True,
         "sft.epochs": 1,
         "sft.batch_size": 8,
         "ray.rollout_actor_cpus": 0.5,
@@ -89,6 +91,11 @@ def test_stability_grid_short(tmp_path: Path):
     assert cell["steps_mean"] == STEPS
     assert result.cells_md is not None and "| st_ppo | 2 | 2 | 5 |" in result.cells_md.read_text()
     assert (run.parent / "cells.png").stat().st_size > 10_000
+    # the sampled evaluations ran and reached the cell; so did the per-seed values
+    evals = {e["tag"] for e in _lines(run / "eval.jsonl")}
+    assert {"start", "start_sampled", "end", "end_sampled"} <= evals
+    assert cell["val_sampled_iqm"] is not None and len(cell["val_success_per_seed"]) == 2
+    assert "answering after their first search" in (run / "console.log").read_text()
 
 
 def test_parallel_grid_reports_failed_runs_and_starts_no_more(tmp_path: Path):
