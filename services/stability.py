@@ -383,12 +383,19 @@ def on_policy_reference(cell: dict[str, Any], cells: dict[tuple, list[RunStats]]
     """The staleness-0 cell a stale cell is compared with: the same cell at
     ``buffer.max_staleness = 0``, else (a grid that leaves the paper's objective out at
     staleness 0, where it is the same update) that cell with ``algorithm.off_policy =
-    "decoupled"``. None for a staleness-0 cell, or when neither ran."""
+    "decoupled"``, else (a grid that runs only ppo on-policy) that cell with
+    ``algorithm.variant = "ppo"`` too. None for a staleness-0 cell, or when none ran."""
     if not cell.get("buffer.max_staleness"):
         return None
     for candidate in (
         {**cell, "buffer.max_staleness": 0},
         {**cell, "buffer.max_staleness": 0, "algorithm.off_policy": "decoupled"},
+        {
+            **cell,
+            "buffer.max_staleness": 0,
+            "algorithm.off_policy": "decoupled",
+            "algorithm.variant": "ppo",
+        },
     ):
         if _key(candidate) in cells:
             return candidate

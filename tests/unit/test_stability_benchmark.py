@@ -203,14 +203,16 @@ def test_stale_cells_are_compared_with_staleness_0(tmp_path: Path):
         ("ppo", "decoupled", 0): [0.5, 0.6, 0.7],
         ("ppo", "decoupled", 8): [0.3, 0.4, 0.5],
         ("ppo", "behavior", 8): [0.6, 0.7, 0.8],  # no behavior / 0: compared with decoupled / 0
+        ("st_ppo", "behavior", 8): [0.5, 0.6, 0.7],  # no st_ppo / 0: compared with ppo's
     }
     runs = [
         run_stats(_fake_run(tmp_path, f"{v}-{o}-{lag}-{i}", v, lag, [0.2, end], o, seed=i),
                   rule, final_window=1)
         for (v, o, lag), values in ends.items() for i, end in enumerate(values)
     ]  # fmt: skip
-    cells = {(c.off_policy, c.max_staleness): c for c in cell_summaries(runs)}
-    on, stale, paper = cells["decoupled", 0], cells["decoupled", 8], cells["behavior", 8]
+    cells = {(c.variant, c.off_policy, c.max_staleness): c for c in cell_summaries(runs)}
+    on, stale = cells["ppo", "decoupled", 0], cells["ppo", "decoupled", 8]
+    paper, st_paper = cells["ppo", "behavior", 8], cells["st_ppo", "behavior", 8]
     assert math.isnan(on.vs_on_policy) and on.on_policy_cell == ""
     # means 0.4 vs 0.6: -0.2; every stale seed is at or below every on-policy one but one tie
     assert stale.vs_on_policy == pytest.approx(-0.2)
@@ -221,6 +223,8 @@ def test_stale_cells_are_compared_with_staleness_0(tmp_path: Path):
     assert (
         paper.vs_on_policy == pytest.approx(0.1) and paper.on_policy_cell == "ppo / decoupled / 0"
     )
+    assert st_paper.vs_on_policy == pytest.approx(0.0)
+    assert st_paper.on_policy_cell == "ppo / decoupled / 0"
     assert mean_difference([1.0, 3.0], [1.0]) == 1.0 and math.isnan(mean_difference([], [1.0]))
     assert mean_difference_ci([0.5, 0.5], [0.2, 0.2]) == pytest.approx((0.3, 0.3))
 
