@@ -25,11 +25,14 @@ the seeds. For each cell (:class:`CellSummary`) over its runs:
   final validation success (:func:`probability_of_improvement`, the Mann-Whitney U statistic
   over n*m, as rliable defines it), with a 95% stratified-bootstrap interval (each side
   resampled on its own, :func:`poi_ci`);
-- collapsed: runs for which :func:`services.experiment.run_collapsed` fires (smoothed
+- collapsed: runs for which :func:`services.collapse.run_collapsed` fires (smoothed
   success at least ``drop`` below its best on each of the last ``last_k`` steps, or smoothed
   malformed share at least ``malformed``), as ``k/n`` with a 95% Wilson interval
   (:func:`wilson_ci`, ``scipy.stats.binomtest(k, n).proportion_ci(method="wilson")``);
 - clip ratio and approx KL (nats/token): mean over steps, then over runs;
+- which other stabiliser acted: the share of tokens the turn-level token bound held
+  (``token_bound_ratio``) and the share whose behaviour weight exceeded its cap
+  (``behavior_weight_capped``), mean over steps, then over runs;
 - largest token ``|log ratio|`` (``token_log_ratio_abs_max``, nats): max over steps,
   mean over runs;
 - clip-bias scale ``s`` (``clip_bias_scale``; 1 for variants without it): mean over steps
@@ -263,6 +266,8 @@ class CellSummary:
     clip_bias_scale_mean: float
     clip_bias_scale_min: float
     exact_staleness_share: float
+    token_bound_ratio: float = math.nan
+    behavior_weight_capped: float = math.nan
 
 
 def _series(records: list[dict[str, Any]], key: str) -> list[float]:
@@ -312,6 +317,12 @@ class RunStats:
     """Sampled validation success at the end (tag ``end_sampled``, ``run.eval_sampled``)."""
     val_sampled_start: float = math.nan
     """Sampled validation success before RL (tag ``start_sampled``)."""
+    token_bound_ratio: float = math.nan
+    """Share of policy tokens the turn-level token bound held, mean over steps (turn-level
+    variants; 0 for token-level ones)."""
+    behavior_weight_capped: float = math.nan
+    """Share of policy tokens whose behaviour weight was above its cap, mean over steps
+    (``off_policy = "decoupled"``; NaN for ``behavior``)."""
 
 
 def run_stats(
@@ -357,6 +368,8 @@ def run_stats(
         ),
         clip_bias_scale_mean=_mean(scale) if scale else 1.0,
         clip_bias_scale_min=min(scale) if scale else 1.0,
+        token_bound_ratio=_mean(_series(steps, "token_bound_ratio")),
+        behavior_weight_capped=_mean(_series(steps, "behavior_weight_capped")),
         exact_staleness=exact,
         consumed=consumed,
         success_curve=success,
@@ -474,6 +487,8 @@ def cell_summaries(runs: list[RunStats]) -> list[CellSummary]:
                 exact_staleness_share=sum(r.exact_staleness for r in rs) / consumed
                 if consumed
                 else math.nan,
+                token_bound_ratio=_mean([r.token_bound_ratio for r in rs]),
+                behavior_weight_capped=_mean([r.behavior_weight_capped for r in rs]),
             )
         )
     return out
@@ -507,14 +522,14 @@ def cells_markdown(cells: list[CellSummary], rule: CollapseRule, final_window: i
         "per batch | val success IQM [95% CI] | val gain (end - start) mean [95% CI] | "
         "sampled val success IQM [95% CI] | sampled val gain mean [95% CI] | "
         "train success IQM [95% CI] | P(improve over ppo) [95% CI] | val vs staleness 0: "
-        "mean diff [95% CI] | collapsed [Wilson 95%] | clip ratio | approx KL | "
-        "scale s (mean / min) | exact lag |"
+        "mean diff [95% CI] | collapsed [Wilson 95%] | clip ratio | token bound | "
+        "b capped | approx KL | scale s (mean / min) | exact lag |"
     )
     lines = [
         head,
         "|"
         + "---|" * len(keys)
-        + "---:|---:|---:|---|---|---|---|---|---|---|---|---:|---:|---|---:|",
+        + "---:|---:|---:|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---|---:|",
     ]
     for c in sorted(cells, key=_sort_key):
         lines.append(
@@ -528,6 +543,7 @@ def cells_markdown(cells: list[CellSummary], rule: CollapseRule, final_window: i
             f"{_f(c.poi_vs_ppo, 2)} {_ci(c.poi_vs_ppo_ci)} | "
             f"{_f(c.vs_on_policy)} {_ci(c.vs_on_policy_ci)} | "
             f"{c.collapsed}/{c.judged} {_ci(c.collapse_ci)} | {_f(c.clip_ratio, 4)} | "
+            f"{_f(c.token_bound_ratio, 4)} | {_f(c.behavior_weight_capped, 4)} | "
             f"{_f(c.approx_kl, 4)} | {_f(c.clip_bias_scale_mean)} / {_f(c.clip_bias_scale_min)} | "
             f"{_f(c.exact_staleness_share, 2)} |"
         )
@@ -547,7 +563,9 @@ def cells_markdown(cells: list[CellSummary], rule: CollapseRule, final_window: i
         f"smoothed ({rule.window} steps) success at least {rule.drop} below its best on each "
         f"of the last {rule.last_k} steps, or smoothed malformed share >= {rule.malformed}; "
         "Wilson interval. Clip ratio: fraction of tokens whose clip acted, mean over steps and "
-        "seeds. Exact lag: share of consumed trajectories at staleness min(step - 1, "
+        "seeds. Token bound: fraction of policy tokens the turn-level token bound held (turn "
+        "variants). b capped: fraction of tokens whose behaviour weight exceeded its cap "
+        "(decoupled objective). Exact lag: share of consumed trajectories at staleness min(step - 1, "
         "max_staleness).",
     ]
     return "\n".join(lines) + "\n"

@@ -149,7 +149,8 @@ def _fake_run(
     (run / "config.json").write_text(json.dumps(cfg))
     steps = [{"step": i + 1, "success_rate": s, "reward_mean": s, "malformed_rate": 0.0,
               "clip_ratio": 0.1, "approx_kl": 0.01, "token_log_ratio_abs_max": 0.5 + i,
-              "clip_bias_scale": 0.9} for i, s in enumerate(success)]  # fmt: skip
+              "clip_bias_scale": 0.9, "token_bound_ratio": 0.0 if variant == "ppo" else 0.02,
+              "behavior_weight_capped": 0.01 * i} for i, s in enumerate(success)]  # fmt: skip
     (run / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     consumed = [{"step": i + 1, "staleness": [min(i, lag)] * 2} for i in range(len(success))]
     consumed[-1]["staleness"][0] = lag + 1  # one trajectory off the promised lag
@@ -191,6 +192,9 @@ def test_cell_summaries(tmp_path: Path):
     assert ppo.exact_staleness_share == pytest.approx(9 / 10)
     assert st.clip_bias_scale_min == pytest.approx(0.9)
     assert ppo.optimizer_steps_per_batch == 4  # 2 epochs x 8 / 4 mini-batches
+    # which stabiliser acted: the token bound only in st_ppo; capped weights 0.0..0.04 a step
+    assert ppo.token_bound_ratio == 0.0 and st.token_bound_ratio == pytest.approx(0.02)
+    assert st.behavior_weight_capped == pytest.approx(0.02)
     assert ppo.val_success_per_seed == pytest.approx([0.6, 0.4]) and ppo.seeds == [0, 0]
     # sampled evaluations at half the greedy values: 0.3 and 0.2 from 0.1 and 0.1
     assert ppo.val_sampled_iqm == pytest.approx(0.25)
