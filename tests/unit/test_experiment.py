@@ -220,11 +220,13 @@ def test_exclude_leaves_out_matching_points_only(tmp_path: Path):
     ]
     with pytest.raises(ValueError, match=r"exclude entry .*\['run\.seed'\]"):
         ExperimentSpec(grid={"buffer.max_staleness": [0]}, exclude=[{"run.seed": 0}])
-    # the shipped answer grid: behavior / 0 is not run
+    # the shipped answer grid: behavior / 0 and st_ppo / 0 are not run, ppo / decoupled / 0 is
     answer = load_experiment(experiment_path("stability_answer"))
     names = [r.name for r in plan_runs(answer, "a", tmp_path)]
-    assert len(names) == 6 * len(answer.seeds)
+    assert len(names) == 5 * len(answer.seeds)
     assert not [n for n in names if "behavior_max_staleness-0" in n]
+    assert not [n for n in names if n.startswith("variant-st_ppo") and "staleness-0" in n]
+    assert "variant-ppo_off_policy-decoupled_max_staleness-0_seed-0" in names
 
 
 @pytest.mark.parametrize("path", sorted(EXPERIMENTS_DIR.glob("*.toml")), ids=lambda p: p.stem)
