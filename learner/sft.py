@@ -159,7 +159,7 @@ def build_demonstration(
     """
     queries = _search_queries(record)
     if early_answer:
-        partial = (record.get("metadata") or {}).get("partial_answer")
+        partial = _partial_answer(record)
         if not partial:
             raise DemonstrationError(f"record {record.get('id')!r}: no metadata.partial_answer")
         queries = queries[:1]
@@ -240,9 +240,7 @@ def build_demonstrations(
     rng = random.Random(seed)
     for record in records:
         out.num_records += 1
-        eligible = len(_search_queries_or_none(record)) > 1 and bool(
-            (record.get("metadata") or {}).get("partial_answer")
-        )
+        eligible = len(_search_queries_or_none(record)) > 1 and bool(_partial_answer(record))
         out.num_early_eligible += int(eligible)
         early = eligible and early_answer_share > 0.0 and rng.random() < early_answer_share
         try:
@@ -265,6 +263,12 @@ def build_demonstrations(
             out.demonstrations.append(demo)
             out.num_early_answer += int(early)
     return out
+
+
+def _partial_answer(record: Mapping) -> str | None:
+    """``metadata.partial_answer``: what stopping after the first search answers (None where
+    the record names none)."""
+    return (record.get("metadata") or {}).get("partial_answer")
 
 
 def _search_queries_or_none(record: Mapping) -> list[str]:

@@ -475,7 +475,7 @@ class Driver:
                 early_answer_share=self.cfg.sft.early_answer_share,
                 seed=self.cfg.run.seed + 1,
             )  # fmt: skip
-        lazy = ""
+        early_note = ""
         if self.cfg.sft.early_answer_share > 0.0:
             if demos.num_early_eligible == 0:
                 raise ValueError(
@@ -483,11 +483,11 @@ class Driver:
                     "searches and names a metadata.partial_answer (the synthetic task "
                     "writes them since its version 2: stppo prepare-synthetic --force)"
                 )
-            lazy = f", {demos.num_early_answer} answering after their first search"
+            early_note = f", {demos.num_early_answer} answering after their first search"
         self.progress.say(
             f"warm start: {len(demos.demonstrations)} demonstrations "
             f"({demos.num_answer_not_retrieved} skipped: answer not retrieved, "
-            f"{demos.num_invalid} invalid{lazy}); SFT {self.cfg.sft.epochs} epoch(s)"
+            f"{demos.num_invalid} invalid{early_note}); SFT {self.cfg.sft.epochs} epoch(s)"
         )
         report = ray.get(self.learner.warm_start.remote(demos.demonstrations, self.cfg.sft))
         self.state.warm_started = True
