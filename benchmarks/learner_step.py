@@ -40,10 +40,15 @@ forward. One RL step is::
 
 and one SFT step ``3 F_pol``. The matmul bound is FLOPs / R, where R is the rate of a
 [4096 x H] x [H x I] matmul in the learner's dtype with the learner's threads, measured in
-this process once per round (the best round is R); share = bound / step seconds.
+this process once per round (the best round is R); share = bound / step seconds. On a GPU
+the same shape is far too small to reach the chip's rate, so the step is also put against
+the GPU's bf16 peak, P: the rate of an [8192 x 8192] x [8192 x 8192] matmul in the
+learner's dtype, measured once per round (best round); share of peak = FLOPs / P / step
+seconds.
 
 Peak memory per step: the resident-set high-water mark of this process, reset before each
-step (``/proc/self/clear_refs`` after ``malloc_trim``), in GiB.
+step (``/proc/self/clear_refs`` after ``malloc_trim``), in GiB; on a GPU also the step's
+peak of allocated GPU memory (``torch.cuda.max_memory_allocated`` after a reset).
 
 Run (shared machine: take the heavy lock)::
 
@@ -145,6 +150,11 @@ def _peak_gpu_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
+def _reset_peak_gpu() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -197,6 +207,24 @@ def matmul_rate(hidden: int, intermediate: int, dtype: torch.dtype, device) -> f
         _sync()
         best = min(best, time.perf_counter() - t0)
     return 2.0 * 4096 * hidden * intermediate / best
+
+
+def peak_matmul_rate(dtype: torch.dtype, device, size: int = 8192) -> float:
+    """FLOP/s of a [size x size] x [size x size] matmul on ``device`` (best of 10 after 3):
+    the accelerator's practical peak in ``dtype``, the ceiling a GPU step is put against."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(10):
+        _sync()
+        t0 = time.perf_counter()
+        a @ b
+        _sync()
+        best = min(best, time.perf_counter() - t0)
+    del a, b
+    return 2.0 * size**3 / best
 
 
 def _turn_shapes(args: argparse.Namespace, rng: np.random.Generator) -> list[tuple[list, list]]:
@@ -299,6 +327,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--variants", default="st_ppo,so_grpo", help=f"of {','.join(VARIANTS)}")
     parser.add_argument("--paths", default="old,new", help=f"of {','.join(PATHS)}")
+    parser.add_argument(
+        "--micro-tokens",
+        type=int,
+        default=PATHS["new"]["micro_batch_tokens"],
+        help="the new path's micro-batch token budget (padded slots)",
+    )
     parser.add_argument("--no-sft", action="store_true", help="skip the SFT step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -315,6 +349,7 @@ def main() -> None:
         "for a machine the 270 MB weights cannot reach)",
     )
     args = parser.parse_args()
+    PATHS["new"] = {**PATHS["new"], "micro_batch_tokens": args.micro_tokens}
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.random_init:
@@ -353,17 +388,22 @@ def main() -> None:
     def run(name: str, path: str) -> tuple[float, float, dict]:
         learner.config = base.model_copy(update=PATHS[path])
         reset = _reset_peak_rss()
+        _reset_peak_gpu()
         if name == "sft":
             metrics = learner.supervised_step(trajectories)
         else:
             learner.set_algorithm(VARIANTS[name])
             metrics = learner.step(trajectories)
         peak = _hwm_gib() if reset else _peak_rss_gib()
+        gpu_peaks[(name, path)].append(_peak_gpu_gib())
         return metrics.step_s, peak, dataclass_dict(metrics)
 
     rates: list[float] = []
+    peak_rates: list[float] = []
+    on_gpu = learner.device.type == "cuda"
     times: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
     peaks: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
+    gpu_peaks: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
     last: dict[tuple[str, str], dict] = {}
     learner.set_algorithm(VARIANTS["st_ppo"])
     learner.step(trajectories)  # warm-up (allocator, first touch of the optimizer states)
@@ -378,6 +418,8 @@ def main() -> None:
             matmul_rate(model_config.hidden_size, model_config.intermediate_size, dtype,
                         learner.device)
         )  # fmt: skip
+        if on_gpu:
+            peak_rates.append(peak_matmul_rate(dtype, learner.device))
         for name in names:
             for path in paths:
                 step_s, peak, metrics = run(name, path)
@@ -391,6 +433,7 @@ def main() -> None:
                 last[(name, path)] = metrics
 
     rate = max(rates)
+    peak_rate = max(peak_rates) if peak_rates else None
     rows = []
     for name in names:
         algorithm = None if name == "sft" else VARIANTS[name]
@@ -413,6 +456,8 @@ def main() -> None:
                     "share_of_bound": flops / rate / median_s,
                     "speedup_vs_first_path": old_s / median_s,
                     "peak_rss_gib": max(peaks[(name, path)]),
+                    "share_of_peak": flops / peak_rate / median_s if peak_rate else None,
+                    "peak_gpu_allocated_gib": max(gpu_peaks[(name, path)]) if on_gpu else None,
                     "loss": metrics.get("loss", metrics.get("pg_loss")),
                     "entropy": metrics.get("entropy"),
                 }
@@ -434,6 +479,9 @@ def main() -> None:
             "shape": [4096, model_config.hidden_size, model_config.intermediate_size],
             "tflops_per_round": [r / 1e12 for r in rates],
             "tflops": rate / 1e12,
+            "peak_shape": [8192, 8192, 8192] if peak_rate else None,
+            "peak_tflops_per_round": [r / 1e12 for r in peak_rates],
+            "peak_tflops": peak_rate / 1e12 if peak_rate else None,
         },
         "init_s": init_s,
         "rss_start_gib": rss_start,
@@ -451,17 +499,20 @@ def main() -> None:
         f"[{model_config.hidden_size} x {model_config.intermediate_size}] "
         f"{rate / 1e12:.2f} TFLOP/s (rounds: "
         f"{', '.join(f'{r / 1e12:.2f}' for r in rates)}); device {result['device']}"
+        + (f"; peak [8192^3] {peak_rate / 1e12:.0f} TFLOP/s" if peak_rate else "")
     )
     print(
         f"| step | path | step s (median of {args.repeats}) | tokens/s | model TFLOP | "
         f"bound s | share of bound | x {paths[0]} | peak RSS GiB |"
+        + (" share of peak | peak GPU GiB |" if peak_rate else "")
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if peak_rate else ""))
     for r in rows:
         print(
             f"| {r['step']} | {r['path']} | {r['step_s_median']:.2f} | {r['tokens_per_s']:.0f} "
             f"| {r['model_tflop']:.2f} | {r['bound_s']:.2f} | {r['share_of_bound']:.3f} | "
             f"{r['speedup_vs_first_path']:.2f} | {r['peak_rss_gib']:.2f} |"
+            + (f" {r['share_of_peak']:.4f} | {r['peak_gpu_allocated_gib']:.2f} |" if peak_rate else "")
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -153,11 +153,14 @@ else
   # the HF engine's contract (its vLLM cases are marked `vllm`: not installed here)
   run tests_contract "${PYTEST[@]}" --junitxml="$DETAILS/tests_contract.xml" -m "not vllm" \
     tests/integration/test_engines_contract.py
-  # the README's learner benchmark shape (4 three-turn trajectories), then a larger batch
+  # the README's learner benchmark batch (8 trajectories, lengths spread like the main job's),
+  # then a larger one; old, chunked and new code paths side by side, share of the GPU's peak
   run learner_step "$PY" benchmarks/learner_step.py --random-init --model "$MODEL" \
-    --dtype bf16 --zero-stage 2 --repeats 3 --out "$DETAILS/learner_step.json"
+    --dtype bf16 --zero-stage 2 --repeats 3 --paths old,chunked,new \
+    --out "$DETAILS/learner_step.json"
   run learner_step_b64 "$PY" benchmarks/learner_step.py --random-init --model "$MODEL" \
-    --dtype bf16 --zero-stage 2 --repeats 3 --batch 64 --micro 16 --variants ppo,st_ppo,so_grpo \
+    --dtype bf16 --zero-stage 2 --repeats 3 --batch 64 --mini 32 --micro 16 \
+    --micro-tokens 16384 --variants ppo,st_ppo,so_grpo --paths old,chunked,new \
     --out "$DETAILS/learner_step_b64.json"
   run hf_engine "$PY" benchmarks/hf_engine.py --random-init --model "$MODEL" --device cuda \
     --out "$DETAILS/hf_engine.json"
@@ -206,18 +209,25 @@ for name in ("learner_step", "learner_step_b64"):
     bench = read_json(f"{name}.json")
     if bench is None:
         continue
-    rows = {r["variant"]: r for r in bench["rows"]}
+    rows = {f"{r['step']} [{r['path']}]": r for r in bench["rows"]}
     figures[name] = {
         "batch": bench["batch"], "config": {k: bench["config"][k] for k in ("dtype", "zero_stage", "micro_batch_size")},
         "init_s": bench["init_s"], "peak_gpu_allocated_gib": bench["peak_gpu_allocated_gib"],
-        "step_s": {v: r["step_s_median"] for v, r in rows.items()},
-        "tokens_per_s": {v: r["tokens_per_s"] for v, r in rows.items()},
+        "matmul": bench["matmul"],
+        **{key: {v: r.get(key) for v, r in rows.items()}
+           for key in ("step_s_median", "tokens_per_s", "model_tflop", "share_of_peak",
+                       "speedup_vs_first_path", "peak_gpu_allocated_gib")},
     }
+    peak = bench["matmul"].get("peak_tflops") or float("nan")
     lines.append(f"  {name}: {bench['batch']['trajectories']} trajectories, {bench['batch']['tokens']} "
                  f"tokens/step, bf16 ZeRO-{bench['config']['zero_stage']}, peak GPU allocated "
-                 f"{bench['peak_gpu_allocated_gib']:.2f} GiB, init {bench['init_s']:.1f} s")
+                 f"{bench['peak_gpu_allocated_gib']:.2f} GiB, init {bench['init_s']:.1f} s, "
+                 f"bf16 peak [8192^3] {peak:.0f} TFLOP/s")
     for v, r in rows.items():
-        lines.append(f"    {v:24s} step {r['step_s_median']:.3f} s   {r['tokens_per_s']:8.0f} tokens/s")
+        share = r.get("share_of_peak") or float("nan")
+        lines.append(f"    {v:24s} step {r['step_s_median']:.3f} s   {r['tokens_per_s']:8.0f} tokens/s   "
+                     f"{r['model_tflop']:.2f} TFLOP   share of peak {share:.4f}   "
+                     f"x first path {r['speedup_vs_first_path']:.2f}")
 engine = read_json("hf_engine.json")
 if engine is not None:
     figures["hf_engine"] = engine
