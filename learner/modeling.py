@@ -72,10 +72,14 @@ class ValueModel(nn.Module):
 
 
 def response_logits(model: nn.Module, batch: TrainingBatch, temperature: float = 1.0) -> Tensor:
-    """Logits predicting each response token: [B, T, V] in the model's dtype.
+    """Logits predicting each response token: [B, T, V], in the model's dtype at temperature
+    1 and in float32 otherwise.
 
     Runs the causal LM once with ``logits_to_keep = T + 1`` (only the response region goes
-    through the LM head) and drops the last column, which predicts past the end.
+    through the LM head) and drops the last column, which predicts past the end. The division
+    by the temperature is done in float32, as the engines and the chunked path
+    (:mod:`learner.logprobs`) do: dividing bf16 logits in bf16 rounds them again, a mean
+    log-prob gap of 0.026 against the engine's on CUDA in bf16 (1e-6 in float32).
 
     Args:
         model: an HF causal LM (or a DeepSpeed engine wrapping one).
@@ -98,7 +102,7 @@ def response_logits(model: nn.Module, batch: TrainingBatch, temperature: float =
     )
     logits = out.logits[:, :-1, :]
     if temperature != 1.0:
-        logits = logits / temperature
+        logits = logits.float() / temperature
     return logits
 
 
