@@ -512,7 +512,11 @@ def main() -> None:
             f"| {r['step']} | {r['path']} | {r['step_s_median']:.2f} | {r['tokens_per_s']:.0f} "
             f"| {r['model_tflop']:.2f} | {r['bound_s']:.2f} | {r['share_of_bound']:.3f} | "
             f"{r['speedup_vs_first_path']:.2f} | {r['peak_rss_gib']:.2f} |"
-            + (f" {r['share_of_peak']:.4f} | {r['peak_gpu_allocated_gib']:.2f} |" if peak_rate else "")
+            + (
+                f" {r['share_of_peak']:.4f} | {r['peak_gpu_allocated_gib']:.2f} |"
+                if peak_rate
+                else ""
+            )
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
