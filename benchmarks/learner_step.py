@@ -193,38 +193,31 @@ def step_flops(algorithm, model_config, num_tokens: int, num_policy: int, epochs
     return total + epochs * per_epoch
 
 
-def matmul_rate(hidden: int, intermediate: int, dtype: torch.dtype, device) -> float:
-    """FLOP/s of a [4096 x hidden] x [hidden x intermediate] matmul (best of 20 after 3)."""
-    a = torch.randn(4096, hidden, device=device).to(dtype)
-    b = torch.randn(hidden, intermediate, device=device).to(dtype)
+def _best_matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, device, repeats: int) -> float:
+    """FLOP/s of an [m x k] x [k x n] matmul: the best of ``repeats`` timed after 3 warm-ups."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
     for _ in range(3):
         a @ b
     best = float("inf")
-    for _ in range(20):
+    for _ in range(repeats):
         _sync()
         t0 = time.perf_counter()
         a @ b
         _sync()
         best = min(best, time.perf_counter() - t0)
-    return 2.0 * 4096 * hidden * intermediate / best
+    return 2.0 * m * k * n / best
+
+
+def matmul_rate(hidden: int, intermediate: int, dtype: torch.dtype, device) -> float:
+    """FLOP/s of a [4096 x hidden] x [hidden x intermediate] matmul (best of 20 after 3)."""
+    return _best_matmul_rate(4096, hidden, intermediate, dtype, device, repeats=20)
 
 
 def peak_matmul_rate(dtype: torch.dtype, device, size: int = 8192) -> float:
     """FLOP/s of a [size x size] x [size x size] matmul on ``device`` (best of 10 after 3):
     the accelerator's practical peak in ``dtype``, the ceiling a GPU step is put against."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    best = float("inf")
-    for _ in range(10):
-        _sync()
-        t0 = time.perf_counter()
-        a @ b
-        _sync()
-        best = min(best, time.perf_counter() - t0)
-    del a, b
-    return 2.0 * size**3 / best
+    return _best_matmul_rate(size, size, size, dtype, device, repeats=10)
 
 
 def _turn_shapes(args: argparse.Namespace, rng: np.random.Generator) -> list[tuple[list, list]]:
