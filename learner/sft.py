@@ -235,12 +235,27 @@ def build_demonstrations(
     read, so the policy learns one way of answering (copy from the last passage) and a
     decision, search again or answer now; a guessed answer instead taught the synthetic
     task's policy to answer against what it read.
+
+    Raises:
+        ValueError: if ``early_answer_share > 0`` and no record is eligible (the share would
+            silently do nothing; the synthetic task writes ``partial_answer`` since its
+            version 2). Checked before any retrieval.
     """
+    eligibility = [
+        len(_search_queries_or_none(record)) > 1 and bool(_partial_answer(record))
+        for record in records
+    ]
+    if early_answer_share > 0.0 and not any(eligibility):
+        raise ValueError(
+            f"sft.early_answer_share = {early_answer_share} but none of the {len(records)} "
+            "demonstrated questions needs two searches and names a metadata.partial_answer "
+            "(the synthetic task writes them since its version 2: stppo prepare-synthetic "
+            "--force)"
+        )
     out = DemonstrationSet()
     rng = random.Random(seed)
-    for record in records:
+    for record, eligible in zip(records, eligibility, strict=True):
         out.num_records += 1
-        eligible = len(_search_queries_or_none(record)) > 1 and bool(_partial_answer(record))
         out.num_early_eligible += int(eligible)
         early = eligible and early_answer_share > 0.0 and rng.random() < early_answer_share
         try:

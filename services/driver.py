@@ -476,13 +476,7 @@ class Driver:
                 seed=self.cfg.run.seed + 1,
             )  # fmt: skip
         early_note = ""
-        if self.cfg.sft.early_answer_share > 0.0:
-            if demos.num_early_eligible == 0:
-                raise ValueError(
-                    "sft.early_answer_share > 0 but no demonstrated question needs two "
-                    "searches and names a metadata.partial_answer (the synthetic task "
-                    "writes them since its version 2: stppo prepare-synthetic --force)"
-                )
+        if self.cfg.sft.early_answer_share > 0.0:  # build_demonstrations raised if none could
             early_note = f", {demos.num_early_answer} answering after their first search"
         self.progress.say(
             f"warm start: {len(demos.demonstrations)} demonstrations "

@@ -99,6 +99,14 @@ def test_early_answer_demonstrations(tiny_llama_dir: Path, client):
     assert [d.answer for d in again.demonstrations] == [d.answer for d in built.demonstrations]
     none = build_demonstrations(many, tok, client.retrieve, seed=3)
     assert none.num_early_answer == 0 and none.num_early_eligible == 60
+    # a share that nothing can take (no two-search question with a partial answer) is an
+    # error before any retrieval, not a warm start that silently demonstrates in full
+    with pytest.raises(ValueError, match=r"early_answer_share = 0\.5 but none of the 6"):
+        build_demonstrations(records(), tok, _no_retrieval, early_answer_share=0.5)
+
+
+def _no_retrieval(queries):
+    raise AssertionError(f"retrieved {queries} before the share was checked")
 
 
 def test_warm_start_trains_on_policy_tokens_only(tiny_llama_dir: Path, client):
