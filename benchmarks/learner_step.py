@@ -50,6 +50,11 @@ Peak memory per step: the resident-set high-water mark of this process, reset be
 step (``/proc/self/clear_refs`` after ``malloc_trim``), in GiB; on a GPU also the step's
 peak of allocated GPU memory (``torch.cuda.max_memory_allocated`` after a reset).
 
+``--profile``: after the measured rounds, one more step of the first variant on the last
+path under ``torch.profiler``; its self time (CPU, and CUDA kernels on a GPU) is grouped by
+operator into matmul, attention, softmax / log-sum-exp, dtype copies, elementwise,
+optimizer and the rest (:func:`op_category`), printed and written under ``"profile"``.
+
 Run (shared machine: take the heavy lock)::
 
     flock .cache/heavy.lock .venv/bin/python benchmarks/learner_step.py --lengths spread \\
@@ -220,6 +225,64 @@ def peak_matmul_rate(dtype: torch.dtype, device, size: int = 8192) -> float:
     return _best_matmul_rate(size, size, size, dtype, device, repeats=10)
 
 
+OP_CATEGORIES = (
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")),
+    ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention", "_cudnn_attention")),
+    ("softmax / log-sum-exp", ("softmax", "logsumexp")),
+    ("dtype copies", ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous")),
+    ("optimizer", ("adam", "_foreach", "optimizer", "step")),
+    ("elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::div", "aten::exp", "aten::neg",
+                     "aten::pow", "aten::rsqrt", "aten::silu", "aten::where", "aten::amax",
+                     "aten::sum", "aten::mean", "aten::clamp", "aten::fill_", "aten::zero_",
+                     "aten::gather", "aten::masked", "aten::log", "aten::sigmoid", "aten::max",
+                     "aten::min", "aten::abs", "aten::cat", "aten::index", "aten::embedding",
+                     "aten::scatter", "aten::cos", "aten::sin", "aten::minimum", "aten::maximum",
+                     "aten::sqrt", "aten::norm", "aten::lt", "aten::gt", "aten::eq", "aten::ne",
+                     "aten::ge", "aten::le", "aten::bitwise", "aten::logical")),
+)  # fmt: skip
+"""(category, operator-name fragments) in match order: the first category whose fragment is
+in an operator's lower-cased name takes it. Self time only: autograd nodes (``MmBackward0``)
+hold almost none, the ``aten`` ops they run hold it."""
+
+
+def op_category(name: str) -> str:
+    """The :data:`OP_CATEGORIES` category of a profiler event name, or ``"other"``."""
+    lowered = name.lower()
+    for category, fragments in OP_CATEGORIES:
+        if any(fragment.lower() in lowered for fragment in fragments):
+            return category
+    return "other"
+
+
+def profile_step(run_step, on_gpu: bool, top: int = 15) -> dict:
+    """Run ``run_step()`` once under ``torch.profiler``; self time by category and the top ops.
+
+    Returns ``{"device_time_s", "by_category": {category: share}, "top": [[op, seconds]]}``
+    over self CPU time (self CUDA time on a GPU, where the kernels are what takes time).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        run_step()
+        _sync()
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    events = [(e.key, getattr(e, key, 0.0) / 1e6) for e in prof.key_averages()]
+    events = [(name, t) for name, t in events if t > 0 and not name.startswith("ProfilerStep")]
+    total = sum(t for _, t in events) or 1.0
+    by_category: dict[str, float] = {}
+    for name, t in events:
+        category = op_category(name)
+        by_category[category] = by_category.get(category, 0.0) + t / total
+    events.sort(key=lambda e: -e[1])
+    return {
+        "time_s": total,
+        "clock": "self CUDA" if on_gpu else "self CPU",
+        "by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+        "top": [[name, t] for name, t in events[:top]],
+    }
+
+
 def _turn_shapes(args: argparse.Namespace, rng: np.random.Generator) -> list[tuple[list, list]]:
     """Per trajectory: (policy tokens per turn, information tokens after each non-last turn)."""
     if args.lengths == "uniform":
@@ -336,6 +399,11 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more step of the first variant on the last path (see the docstring)",
+    )
+    parser.add_argument(
         "--random-init",
         action="store_true",
         help="random weights from --model's config.json and tokenizer (same shapes and cost; "
@@ -425,6 +493,17 @@ def main() -> None:
                 peaks[(name, path)].append(peak)
                 last[(name, path)] = metrics
 
+    profile = None
+    if args.profile:
+        name, path = names[0], paths[-1]
+        profile = {"step": name, "path": path, **profile_step(lambda: run(name, path), on_gpu)}
+        print(
+            f"profile of {name} [{path}] ({profile['clock']} time {profile['time_s']:.2f} s): "
+            + ", ".join(f"{c} {share:.2f}" for c, share in profile["by_category"].items()),
+            flush=True,
+        )
+        for op, t in profile["top"]:
+            print(f"    {t:8.3f} s  {op}  [{op_category(op)}]")
     rate = max(rates)
     peak_rate = max(peak_rates) if peak_rates else None
     rows = []
@@ -484,6 +563,7 @@ def main() -> None:
         "peak_gpu_allocated_gib": _peak_gpu_gib(),
         "random_init": args.random_init,
         "rows": rows,
+        "profile": profile,
     }
     print(
         f"init {init_s:.1f} s; {len(trajectories)} trajectories ({args.lengths}), {num_tokens} "
