@@ -80,3 +80,22 @@ def test_padded_tokens():
     # micro 2: rows (5, 6) -> width 6 + 10, rows (7, 8) -> 8 + 10: 2*16 + 2*18 = 68
     assert padded_tokens(trajectories, 2) == 68
     assert padded_tokens(trajectories, 1) == 5 + 6 + 7 + 8 + 4 * 10
+
+
+@pytest.mark.parametrize(
+    ("op", "category"),
+    [
+        ("aten::mm", "matmul"),
+        ("aten::addmm", "matmul"),  # not elementwise although it starts with aten::add
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+        ("aten::_softmax_backward_data", "softmax / log-sum-exp"),
+        ("aten::logsumexp", "softmax / log-sum-exp"),
+        ("aten::copy_", "dtype copies"),
+        ("aten::_foreach_add_", "optimizer"),
+        ("Optimizer.step#AdamW.step", "optimizer"),
+        ("aten::mul", "elementwise"),
+        ("aten::empty", "other"),
+    ],
+)
+def test_profile_categories(op, category):
+    assert _bench.op_category(op) == category
