@@ -657,7 +657,10 @@ class Driver:
         unconsumed = ray.get(self.buffer.ready_counts.remote(self._next_take_version()))
         for v, c in self._in_flight_counts().items():
             unconsumed[v] = unconsumed.get(v, 0) + c
-        for slot in self.slots:
+        # least recently started first: when admission lets in fewer rollouts than there are
+        # idle actors (learner-bound), they take turns, so none sits unused for the whole run
+        # (a pod lost while its actor idles is noticed at its next rollout, not at the end)
+        for slot in sorted(self.slots, key=lambda s: s.started_s):
             if slot.in_flight is not None or slot.engine_version < 0 or slot.lost:
                 continue
             if not may_admit(
