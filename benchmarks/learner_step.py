@@ -257,8 +257,9 @@ def op_category(name: str) -> str:
 def profile_step(run_step, on_gpu: bool, top: int = 15) -> dict:
     """Run ``run_step()`` once under ``torch.profiler``; self time by category and the top ops.
 
-    Returns ``{"device_time_s", "by_category": {category: share}, "top": [[op, seconds]]}``
-    over self CPU time (self CUDA time on a GPU, where the kernels are what takes time).
+    Returns ``{"time_s", "clock", "by_category": {category: share}, "top": [[op, seconds]]}``
+    over self CPU time (self CUDA time on a GPU, where the kernels are what takes time;
+    ``clock`` names which).
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -410,7 +411,7 @@ def main() -> None:
         "for a machine the 270 MB weights cannot reach)",
     )
     args = parser.parse_args()
-    PATHS["new"] = {**PATHS["new"], "micro_batch_tokens": args.micro_tokens}
+    path_configs = {**PATHS, "new": {**PATHS["new"], "micro_batch_tokens": args.micro_tokens}}
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.random_init:
@@ -446,8 +447,9 @@ def main() -> None:
         flush=True,
     )
 
-    def run(name: str, path: str) -> tuple[float, float, dict]:
-        learner.config = base.model_copy(update=PATHS[path])
+    def run(name: str, path: str) -> tuple[float, float, float, dict]:
+        """One step; (seconds, peak RSS GiB, peak GPU allocated GiB, metrics)."""
+        learner.config = base.model_copy(update=path_configs[path])
         reset = _reset_peak_rss()
         _reset_peak_gpu()
         if name == "sft":
@@ -456,8 +458,7 @@ def main() -> None:
             learner.set_algorithm(VARIANTS[name])
             metrics = learner.step(trajectories)
         peak = _hwm_gib() if reset else _peak_rss_gib()
-        gpu_peaks[(name, path)].append(_peak_gpu_gib())
-        return metrics.step_s, peak, dataclass_dict(metrics)
+        return metrics.step_s, peak, _peak_gpu_gib(), dataclass_dict(metrics)
 
     rates: list[float] = []
     peak_rates: list[float] = []
@@ -483,7 +484,7 @@ def main() -> None:
             peak_rates.append(peak_matmul_rate(dtype, learner.device))
         for name in names:
             for path in paths:
-                step_s, peak, metrics = run(name, path)
+                step_s, peak, gpu_peak, metrics = run(name, path)
                 print(
                     f"  round {round_index} {name} [{path}]: {step_s:.2f} s, peak RSS "
                     f"{peak:.2f} GiB, matmul {rates[-1] / 1e12:.2f} TFLOP/s",
@@ -491,6 +492,7 @@ def main() -> None:
                 )
                 times[(name, path)].append(step_s)
                 peaks[(name, path)].append(peak)
+                gpu_peaks[(name, path)].append(gpu_peak)
                 last[(name, path)] = metrics
 
     profile = None
