@@ -135,6 +135,18 @@ class RolloutConfig(StrictModel):
     (and, when an update lands, one prefill) per N tokens. Not with ``sync.fixed_lag``
     (its exact lag needs whole batches at one version). Live-tunable (next batch)."""
 
+    calls_per_actor: int = Field(1, ge=1, le=8)
+    """Continuous batching (:class:`actors.rollout.ContinuousBatcher`): how many admitted
+    rollout calls (``prompts_per_batch`` questions each) one rollout actor runs at once.
+    1 (default) = one call at a time: the engine's next call waits for the slowest episode
+    of the current one. K > 1 = the driver may start up to K calls on an actor (each still
+    admitted by ``learner.admission``), and every turn's engine call holds the live episodes
+    of all of them, so a new call's first turns fill the engine while an older call's
+    slowest episodes finish. Weight updates then land between turns (the end of one call
+    is no longer a moment when the engine idles) and within turns as
+    ``interrupt_every_tokens`` says. Not with ``sync.fixed_lag``. Set at start (the
+    actor's thread count is fixed when it is created)."""
+
     weight_wait_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
     """With ``interrupt_every_tokens > 0``: how long a rollout waits, before it starts,
     for the weight version the driver pushed to its actor to land (seconds); a timeout

@@ -6,6 +6,10 @@ EOS or the token budget. Then all the turn's search queries go to the retrieval 
 ONE ``/retrieve`` request, and each searching episode gets its ``<information>`` block
 appended as environment tokens. Up to ``max_turns`` policy turns.
 
+Several calls can share the engine (:class:`ContinuousBatcher`, ``rollout.calls_per_actor``):
+each turn's engine call then holds the live episodes of every running call, so a new call's
+first turns run beside an older call's slowest episodes instead of after them.
+
 Token accounting (what makes turn-level importance ratios possible): the engine's input for
 an episode is always exactly ``prompt_ids + response_ids`` so far; generated tokens are
 appended with ``loss_mask = 1``, ``turn_ids = k`` (k-th policy turn) and their behaviour
@@ -30,6 +34,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -168,6 +173,131 @@ def check_record(record: Mapping) -> None:
             )
 
 
+@dataclass(eq=False)
+class RolloutCall:
+    """One submitted rollout call of a :class:`ContinuousBatcher`: its episodes (in record
+    order), its sampling temperature and counters; ``done`` once every episode has ended."""
+
+    episodes: list[_Episode]
+    temperature: float
+    stats: RolloutStats = field(default_factory=RolloutStats)
+    started_s: float = field(default_factory=time.perf_counter)
+    done: bool = False
+
+
+class ContinuousBatcher:
+    """Continuous batching of rollout calls at turn granularity (Ray-free, thread-safe).
+
+    Episodes of every submitted call that has not ended share each turn: one batched
+    ``generate`` over all live episodes (one per sampling temperature), then one
+    ``/retrieve`` for all of the turn's queries. A call submitted while others run joins
+    at the next :meth:`step`, so an engine whose oldest call is down to its slowest
+    episode keeps generating the newer calls' first turns in the same engine calls instead
+    of waiting for it (the batch barrier of one call at a time). With a single call,
+    :meth:`step` is exactly one iteration of the Search-R1 turn loop (:func:`run_rollout`).
+
+    Threads: :meth:`submit` may run on any thread; :meth:`step` on one thread at a time
+    (the caller holds the engine, :class:`actors.engines.interrupt.WeightGate`).
+
+    Source: continuous (iteration-level) batching, Yu et al., "Orca" (OSDI 2022), applied
+    per turn of a multi-turn episode instead of per decoded token.
+    """
+
+    def __init__(
+        self, engine: GenerationEngine, tokenizer, client: Retriever, cfg: RolloutConfig
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.client = client
+        self.cfg = cfg
+        self._calls: list[RolloutCall] = []
+        self._lock = threading.Lock()  # guards _calls (submit vs step)
+
+    def submit(
+        self, records: Sequence[Mapping], group_ids: Sequence[str], temperature: float
+    ) -> RolloutCall:
+        """Queue one episode per record; they start at the next :meth:`step`.
+
+        Raises:
+            ValueError: empty input, mismatched lengths, or a malformed record.
+        """
+        if not records:
+            raise ValueError("run_rollout needs at least one record")
+        if len(group_ids) != len(records):
+            raise ValueError(f"{len(group_ids)} group_ids for {len(records)} records")
+        episodes = [
+            _new_episode(self.tokenizer, r, g, self.cfg.system_prompt)
+            for r, g in zip(records, group_ids, strict=True)
+        ]
+        call = RolloutCall(episodes, temperature)
+        with self._lock:
+            self._calls.append(call)
+        return call
+
+    def has_started_episodes(self) -> bool:
+        """Has a running call an episode that has begun its first turn (tokens in flight)?"""
+        with self._lock:
+            return any(e.num_turns > 0 for c in self._calls for e in c.episodes)
+
+    @property
+    def num_running(self) -> int:
+        """Submitted calls that have not ended."""
+        with self._lock:
+            return len(self._calls)
+
+    def step(self, interrupt: Interrupt | None = None) -> None:
+        """One turn of every live episode of every running call; calls whose episodes
+        have all ended are marked ``done`` and leave the batcher.
+
+        ``interrupt.safe_point()`` runs first (a weight update lands between turns) and the
+        engine gets ``interrupt`` for its safe points within the turn.
+        """
+        with self._lock:
+            calls = list(self._calls)
+        live_calls = [c for c in calls if any(not e.done for e in c.episodes)]
+        if live_calls and interrupt is not None:
+            interrupt.safe_point()  # between turns: let a pending weight update in
+        for temperature in dict.fromkeys(c.temperature for c in live_calls):
+            same = [c for c in live_calls if c.temperature == temperature]
+            live = [e for c in same for e in c.episodes if not e.done]
+            _generate_turn(self.engine, self.tokenizer, live, self.cfg, temperature, interrupt)
+            for c in same:
+                c.stats.num_engine_calls += 1
+        searching = [e for c in live_calls for e in c.episodes if e.pending_query is not None]
+        if searching:
+            failed = _retrieve_turn(self.client, self.tokenizer, searching, self.cfg)
+            for c in live_calls:
+                c.stats.num_retrieval_failures += int(
+                    failed and any(e in searching for e in c.episodes)
+                )
+        for call in calls:
+            for e in call.episodes:
+                if not e.done and e.num_turns >= self.cfg.max_turns:
+                    e.finish_reason = "max_turns"  # an invalid search in the last turn
+            call.done = all(e.done for e in call.episodes)
+        with self._lock:
+            self._calls = [c for c in self._calls if not c.done]
+
+    def result(self, call: RolloutCall) -> tuple[list[Trajectory], RolloutStats]:
+        """The trajectories (record order, validated) and counters of a ``done`` call.
+
+        Raises:
+            RuntimeError: the call has not ended.
+        """
+        if not call.done:
+            raise RuntimeError("result() of a rollout call that has not ended")
+        trajectories = [_to_trajectory(self.tokenizer, e, self.cfg) for e in call.episodes]
+        stats = call.stats
+        stats.num_trajectories = len(trajectories)
+        stats.num_retrieval_failed_trajectories = sum(t.retrieval_failed for t in trajectories)
+        stats.num_generated_tokens = sum(sum(e.loss_mask) for e in call.episodes)
+        stats.num_searches = sum(e.num_searches for e in call.episodes)
+        stats.generation_s = sum(e.generation_s for e in call.episodes)
+        stats.retrieval_s = sum(e.retrieval_s for e in call.episodes)
+        stats.wall_s = time.perf_counter() - call.started_s
+        return trajectories, stats
+
+
 def run_rollout(
     engine: GenerationEngine,
     tokenizer,
@@ -199,35 +329,13 @@ def run_rollout(
     Raises:
         ValueError: empty input, mismatched lengths, or a malformed record.
     """
-    if not records:
-        raise ValueError("run_rollout needs at least one record")
-    if len(group_ids) != len(records):
-        raise ValueError(f"{len(group_ids)} group_ids for {len(records)} records")
-    start = time.perf_counter()
-    stats = RolloutStats()
-    episodes = [
-        _new_episode(tokenizer, r, g, cfg.system_prompt)
-        for r, g in zip(records, group_ids, strict=True)
-    ]
-    temp = cfg.temperature if temperature is None else temperature
-    for _ in range(cfg.max_turns):
-        live = [e for e in episodes if not e.done]
-        if not live:
-            break
-        if interrupt is not None:
-            interrupt.safe_point()  # between turns: let a pending weight update in
-        _generate_turn(engine, tokenizer, live, cfg, temp, stats, interrupt)
-        searching = [e for e in live if e.pending_query is not None]
-        if searching:
-            _retrieve_turn(client, tokenizer, searching, cfg, stats)
-    for e in episodes:
-        if not e.done:  # only reachable after an invalid search in the last turn
-            e.finish_reason = "max_turns"
-    trajectories = [_to_trajectory(tokenizer, e, cfg) for e in episodes]
-    stats.num_trajectories = len(trajectories)
-    stats.num_retrieval_failed_trajectories = sum(t.retrieval_failed for t in trajectories)
-    stats.wall_s = time.perf_counter() - start
-    return trajectories, stats
+    batcher = ContinuousBatcher(engine, tokenizer, client, cfg)
+    call = batcher.submit(
+        records, group_ids, cfg.temperature if temperature is None else temperature
+    )
+    while not call.done:
+        batcher.step(interrupt)
+    return batcher.result(call)
 
 
 def _new_episode(
@@ -248,10 +356,10 @@ def _generate_turn(
     live: list[_Episode],
     cfg: RolloutConfig,
     temperature: float,
-    stats: RolloutStats,
     interrupt: Interrupt | None = None,
 ) -> None:
-    """One batched engine call for all live episodes; apply each result."""
+    """One batched engine call for all live episodes; apply each result (each episode is
+    charged an equal share of the call's wall time in ``generation_s``)."""
     budgets = [_turn_budget(e, cfg) for e in live]
     params = SamplingParams(
         max_new_tokens=max(budgets), temperature=temperature, top_p=cfg.top_p, stop=STOP_STRINGS
@@ -263,14 +371,11 @@ def _generate_turn(
     else:
         results = engine.generate(inputs, params, interrupt=interrupt)
     elapsed = time.perf_counter() - t0
-    stats.generation_s += elapsed
-    stats.num_engine_calls += 1
     if len(results) != len(live):
         raise RuntimeError(f"engine returned {len(results)} results for {len(live)} prompts")
     for e, result, budget in zip(live, results, budgets, strict=True):
         e.generation_s += elapsed / len(live)
-        kept = _apply_generation(tokenizer, e, result, budget, cfg)
-        stats.num_generated_tokens += kept
+        _apply_generation(tokenizer, e, result, budget, cfg)
 
 
 def _apply_generation(
@@ -307,9 +412,11 @@ def _retrieve_turn(
     tokenizer,
     searching: list[_Episode],
     cfg: RolloutConfig,
-    stats: RolloutStats,
-) -> None:
-    """One ``/retrieve`` request for all of this turn's valid queries; append the blocks."""
+) -> bool:
+    """One ``/retrieve`` request for all of this turn's valid queries; append the blocks.
+
+    Returns True when the request failed (after the client's retries): its episodes end
+    ``retrieval_failed``, with the error in ``retrieval_error``."""
     valid = [e for e in searching if e.pending_query]
     for e in searching:
         if not e.pending_query:  # "<search></search>": Search-R1's invalid-action reply
@@ -317,7 +424,7 @@ def _retrieve_turn(
             e.queries[-1] = ""
             _append_environment(e, invalid_search_ids(tokenizer), cfg)
     if not valid:
-        return
+        return False
     queries = [e.pending_query for e in valid]
     t0 = time.perf_counter()
     try:
@@ -325,10 +432,7 @@ def _retrieve_turn(
         error = None
     except RetrievalFailed as err:
         passages, error = None, f"{err.reason}: {err}"
-        stats.num_retrieval_failures += 1
     elapsed = time.perf_counter() - t0
-    stats.retrieval_s += elapsed
-    stats.num_searches += len(valid)
     for i, e in enumerate(valid):
         e.queries[-1] = e.pending_query
         e.pending_query = None
@@ -341,6 +445,7 @@ def _retrieve_turn(
             e.passages[-1] = tuple((p.id, p.title) for p in passages[i])
             block = information_ids(tokenizer, passages[i], cfg.max_information_tokens)
             _append_environment(e, block, cfg)
+    return passages is None
 
 
 def _append_environment(e: _Episode, block: list[int], cfg: RolloutConfig) -> None:
@@ -501,11 +606,16 @@ class RolloutWorker:
         self.seed = seed
         self.engine = engine if engine is not None else build_engine(model_path, rollout_cfg, seed)
         self.tokenizer = self.engine.tokenizer
-        self.client = RetrievalClient(retrieval_url, rollout_cfg.retrieval)
+        self.batcher = ContinuousBatcher(
+            self.engine, self.tokenizer, RetrievalClient(retrieval_url, rollout_cfg.retrieval),
+            rollout_cfg,
+        )  # fmt: skip
         self.temperature = rollout_cfg.temperature
         self.total_stats = RolloutStats()
         self.last_stats = RolloutStats()
-        self.gate = WeightGate()
+        self.gate = WeightGate(in_flight=self.batcher.has_started_episodes)
+        self._stats_lock = threading.Lock()
+        self._inflight_reported = 0  # gate.num_inflight_updates already written on a batch
         self.interrupt_every_tokens = rollout_cfg.interrupt_every_tokens
         self._batches = itertools.count()
         self.engine_metrics_url, self._metrics_server = (None, None)
@@ -513,6 +623,15 @@ class RolloutWorker:
             self.engine_metrics_url, self._metrics_server = serve_engine_metrics(
                 self.engine, rollout_cfg.engine_metrics_host, rollout_cfg.engine_metrics_port
             )
+
+    @property
+    def client(self) -> Retriever:
+        """The retriever every rollout call uses (the HTTP client unless replaced)."""
+        return self.batcher.client
+
+    @client.setter
+    def client(self, client: Retriever) -> None:
+        self.batcher.client = client
 
     def rollout(
         self, records: list[dict], greedy: bool = False, min_policy_version: int | None = None
@@ -525,6 +644,12 @@ class RolloutWorker:
         ``last_stats.num_inflight_weight_updates``, and is also written on the batch's first
         trajectory (``extra["inflight_weight_updates"]``, 0 on the others: summing over
         trajectories counts each update once).
+
+        Continuous batching (``rollout.calls_per_actor > 1``; the Ray actor then runs that
+        many of these calls on threads of their own): the call's episodes join the
+        actor's :class:`ContinuousBatcher`, and whichever running call holds the engine
+        steps every call's episodes turn by turn; weight loads also land between turns.
+        Each update that lands while tokens are in flight is reported by exactly one call.
 
         Args:
             records: QA records (``id``, ``question``, ``golden_answers``, ``data_source``).
@@ -558,25 +683,26 @@ class RolloutWorker:
         group_ids = [
             f"s{self.seed}-b{batch}-q{i}" for i in range(len(records)) for _ in range(group_size)
         ]
-        every = self.interrupt_every_tokens
+        interrupt = self._interrupt(self.interrupt_every_tokens)
+        temperature = 0.0 if greedy else self.temperature
+        call = self.batcher.submit(expanded, group_ids, temperature)
+        # whoever holds the gate steps every running call's episodes (continuous batching);
+        # this call's thread takes over when the holder's own call has ended
         with self.gate.generating():
-            landed_before = self.gate.num_inflight_updates
-            trajectories, stats = run_rollout(
-                self.engine,
-                self.tokenizer,
-                self.client,
-                expanded,
-                group_ids,
-                self.cfg,
-                temperature=0.0 if greedy else self.temperature,
-                interrupt=self._interrupt(every),
-            )
-            stats.num_inflight_weight_updates = self.gate.num_inflight_updates - landed_before
-        stats.weight_wait_s = waited
+            while not call.done:
+                self.batcher.step(interrupt)
+                if not call.done and self.cfg.calls_per_actor > 1:
+                    self.gate.safe_point()  # between turns, whatever the interrupt
+        trajectories, stats = self.batcher.result(call)
+        with self._stats_lock:  # each in-flight update is reported by one batch only
+            landed = self.gate.num_inflight_updates - self._inflight_reported
+            self._inflight_reported += landed
+            stats.num_inflight_weight_updates = landed
+            stats.weight_wait_s = waited
+            self.last_stats = stats
+            self.total_stats.add(stats)
         for k, t in enumerate(trajectories):
-            t.extra["inflight_weight_updates"] = stats.num_inflight_weight_updates if k == 0 else 0
-        self.last_stats = stats
-        self.total_stats.add(stats)
+            t.extra["inflight_weight_updates"] = landed if k == 0 else 0
         return trajectories
 
     def load_weights(self, state_dict: dict, policy_version: int) -> float:

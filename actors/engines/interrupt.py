@@ -61,7 +61,9 @@ class WeightGate:
       interruptible generation).
 
     Counters: ``num_inflight_updates`` counts loads that went through a safe point (landed
-    while a batch ran), ``num_updates`` all loads.
+    while a batch ran, or while ``in_flight()`` is True: under continuous batching the
+    episodes of a call can be in flight between two holders of the gate), ``num_updates``
+    all loads.
 
     Example::
 
@@ -72,7 +74,8 @@ class WeightGate:
             engine.load_weights(state_dict, version)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, in_flight: Callable[[], bool] | None = None) -> None:
+        self._in_flight = in_flight or (lambda: False)
         self._lock = threading.Lock()  # held by whoever uses the model
         self._cond = threading.Condition()
         self._waiting = 0  # loaders waiting for or holding the lock
@@ -83,8 +86,17 @@ class WeightGate:
 
     @contextlib.contextmanager
     def generating(self) -> Iterator[WeightGate]:
-        """Hold the gate for a batch (the rollout thread)."""
-        self._lock.acquire()
+        """Hold the gate for a batch (the rollout thread). Loaders that wait when the gate
+        is handed over go first: the start of a batch is a safe point (under continuous
+        batching another thread's batch may have tokens in flight already)."""
+        while True:
+            with self._cond:
+                while self._waiting:
+                    self._cond.wait()
+            self._lock.acquire()
+            if not self._waiting:
+                break
+            self._lock.release()  # a loader queued while this thread waited for the lock
         self._batch_running = True
         try:
             yield self
@@ -101,7 +113,7 @@ class WeightGate:
         try:
             with self._lock:
                 self.num_updates += 1
-                self.num_inflight_updates += int(self._batch_running)
+                self.num_inflight_updates += int(self._batch_running or self._in_flight())
                 yield
         finally:
             with self._cond:
