@@ -17,6 +17,8 @@ Usage::
 
     python benchmarks/async_speedup.py [dotted.key=value ...]
     python benchmarks/async_speedup.py --interrupt N [--staleness S] [dotted.key=value ...]
+    python benchmarks/async_speedup.py --calls-per-actor K [--staleness S] [--warm-start]
+        [dotted.key=value ...]
 
 ``--interrupt N`` instead compares, at the same ``buffer.max_staleness`` (S, default 2),
 weight updates applied after the whole rollout batch (``rollout.interrupt_every_tokens = 0``,
@@ -25,6 +27,13 @@ tokens and between turns). Per run: trained trajectories/s (steady state), engin
 fraction (1 actor: wall time with no rollout running, from the per-step rollout counts
 and mean durations), mean / max token staleness of consumed tokens, in-flight updates, and
 the waste fraction.
+
+``--calls-per-actor K`` compares one rollout call per actor at a time (``1``, the loop
+before continuous batching) with ``K`` calls whose episodes share each turn's engine call
+(:class:`actors.rollout.ContinuousBatcher`), same columns (engine idle: no call running on
+the actor). ``--warm-start`` first runs the config's warm-start SFT once (0 learner steps,
+``sft.enabled = true``) and starts both runs from its policy: an untrained SmolLM2 rarely
+searches, so its episodes are one turn long and there is nothing to batch across calls.
 """
 
 from __future__ import annotations
@@ -122,10 +131,11 @@ def main(argv: list[str]) -> None:
 
 def engine_idle_fraction(steps: list[dict], num_actors: int) -> float:
     """Share of the steady-state wall time (end of step 1 to the end of the last) in which
-    the rollout actors ran no rollout: ``1 - sum(completed * mean duration) / (actors *
-    span)``, from the per-step window counters of ``steps.jsonl``."""
+    the rollout actors ran no rollout call: ``1 - busy / (actors * span)``, busy from the
+    per-step ``rollout_busy_s`` of ``steps.jsonl`` (wall seconds with at least one call
+    running on an actor, summed over actors)."""
     span = steps[-1]["elapsed_s"] - steps[0]["elapsed_s"]
-    busy = sum(s["rollouts_completed"] * s["rollout_s_mean"] for s in steps[1:])
+    busy = sum(s["rollout_busy_s"] for s in steps[1:])
     return max(0.0, 1.0 - busy / (num_actors * span))
 
 
@@ -136,14 +146,34 @@ def token_staleness(steps: list[dict]) -> tuple[float, int]:
     return sum(means) / len(means), max(s["staleness_token_max"] for s in steps)
 
 
-def main_interrupt(every_tokens: int, max_staleness: int, overrides: list[str]) -> None:
-    """Side by side: updates after the batch (0) vs mid-batch (``every_tokens``)."""
+def warm_start_policy(overrides: list[str]) -> str:
+    """Run the config's warm-start SFT once (0 learner steps, no evaluation) and return the
+    folder of the policy it exported (the run's step-0 checkpoint). A policy already in
+    ``runs/bench_async_warm_start`` is reused: delete that folder after changing the SFT
+    or model settings."""
+    from services.config import load_config
+    from services.driver import run_training
+
+    fixed = ["sft.enabled=true", "run.num_steps=0", 'run.name="bench_async_warm_start"']
+    cfg = load_config(CONFIG, [*overrides, *fixed])
+    policy = cfg.run_dir / "checkpoints" / "step_000000" / "hf_policy"
+    if not policy.is_dir():  # the warm start of an earlier benchmark run is reused
+        run_training(cfg, overwrite=True)
+    return str(policy)
+
+
+def main_compare(
+    option: str, values: tuple[int, int], max_staleness: int, overrides: list[str]
+) -> None:
+    """Side by side at the same ``max_staleness``: ``rollout.<option>`` = each of ``values``
+    (``interrupt_every_tokens``: updates after the batch (0) vs mid-batch (N);
+    ``calls_per_actor``: one call at a time (1) vs continuous batching (K))."""
     rows = []
-    for n in (0, every_tokens):
+    for n in values:
         steps, cfg = run_once(
             max_staleness,
-            [*overrides, f"rollout.interrupt_every_tokens={n}"],
-            name=f"bench_interrupt_s{max_staleness}_n{n}",
+            [*overrides, f"rollout.{option}={n}"],
+            name=f"bench_{option}_s{max_staleness}_{n}",
         )
         batch = cfg.learner.train_batch_size
         mean_tok, max_tok = token_staleness(steps)
@@ -160,7 +190,7 @@ def main_interrupt(every_tokens: int, max_staleness: int, overrides: list[str]) 
             )
         )
     print(f"\nmax_staleness = {max_staleness} in both runs")
-    print("| interrupt_every_tokens | trained traj/s | engine idle | trajectory staleness "
+    print(f"| {option} | trained traj/s | engine idle | trajectory staleness "
           "mean | token staleness mean | token staleness max | in-flight updates | "
           "generated | dropped stale | waste |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -171,18 +201,22 @@ def main_interrupt(every_tokens: int, max_staleness: int, overrides: list[str]) 
             f"{r['trajectories_generated']:.0f} | {r['trajectories_dropped_stale']:.0f} | "
             f"{r['waste_fraction']:.3f} |"
         )
-    print(f"\nspeed-up interruptible / after-batch: {rows[1]['rate'] / rows[0]['rate']:.2f}x "
-          "(target >= 1.2x)")  # fmt: skip
+    print(f"\nspeed-up {option} {values[1]} / {values[0]}: "
+          f"{rows[1]['rate'] / rows[0]['rate']:.2f}x (target >= 1.2x)")  # fmt: skip
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args[:1] == ["--interrupt"]:
-        every, args = int(args[1]), args[2:]
+    if args[:1] in (["--interrupt"], ["--calls-per-actor"]):
+        option = {"--interrupt": "interrupt_every_tokens", "--calls-per-actor": "calls_per_actor"}
+        name, value, args = option[args[0]], int(args[1]), args[2:]
         staleness = 2
         if args[:1] == ["--staleness"]:
             staleness, args = int(args[1]), args[2:]
         configure_local_caches()
-        main_interrupt(every, staleness, args)
+        if args[:1] == ["--warm-start"]:
+            args = [*args[1:], f'model.path="{warm_start_policy(args[1:])}"']
+        baseline = 0 if name == "interrupt_every_tokens" else 1
+        main_compare(name, (baseline, value), staleness, args)
     else:
         main(args)

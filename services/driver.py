@@ -70,16 +70,25 @@ def _first_line_of_cause(error: Exception) -> str:
 
 
 @dataclass
+class RunningRollout:
+    """One rollout call running on an actor."""
+
+    ref: Any  # ObjectRef of its trajectories
+    submitted_version: int  # the actor's engine_version when it was submitted
+    started_s: float
+    first_draw: int  # sampler draw index of its first question
+
+
+@dataclass
 class RolloutSlot:
     """Driver-side bookkeeping of one rollout actor."""
 
     handle: Any
     index: int
     engine_version: int = -1  # last version pushed (loads are applied in call order)
-    in_flight: Any = None  # ObjectRef of the running rollout, or None
-    submitted_version: int = -1  # engine_version when the running rollout was submitted
-    started_s: float = 0.0
-    first_draw: int = -1  # sampler draw index of the running rollout's first question
+    running: list[RunningRollout] = field(default_factory=list)  # <= rollout.calls_per_actor
+    started_s: float = 0.0  # when its last rollout was submitted
+    busy_since: float | None = None  # since when a call has been running (None: idle)
     crashes_in_a_row: int = 0  # crashes since its last completed rollout
     lost: bool = False  # crashed, and not back yet (Ray restarts it where it can be placed)
 
@@ -146,6 +155,8 @@ class Driver:
         self._resynced_sync: Any = None  # the broken sync last re-sent to the survivors
         self._rollout_tokens = 0
         self._rollout_trajs = 0
+        self._calls_running_max = 0  # most rollout calls running on one actor, this step
+        self._busy_s = 0.0  # actor-seconds with a call running, this step (ended intervals)
         self._rollout_durations_s: list[float] = []
         self._window_start_s = time.perf_counter()
         self._run_started_s = time.perf_counter()
@@ -428,7 +439,8 @@ class Driver:
             "(it rejoins with current weights once Ray has placed it again)"
         )
         log.warning("rollout actor %d crashed: %s", slot.index, error)
-        slot.in_flight = None
+        slot.running.clear()
+        self._end_busy(slot)
         self._mark_lost(slot, f"rollout actor {slot.index} lost ({type(error).__name__})")
 
     def _mark_lost(self, slot: RolloutSlot, reason: str) -> None:
@@ -620,7 +632,7 @@ class Driver:
             retrieval_up = self._retrieval_up()
             if retrieval_up:  # no new rollout while the managed server restarts
                 self._admit_rollouts()
-            waiting = [s.in_flight for s in self.slots if s.in_flight is not None]
+            waiting = [r.ref for s in self.slots for r in s.running]
             waiting += [self._step_ref] if self._step_ref is not None else []
             waiting += list(self._pending_acks)
             if not waiting and not retrieval_up:
@@ -633,7 +645,8 @@ class Driver:
                 self._dispatch(ref)
         # rollouts still in flight are abandoned: never trained on, regenerated on resume
         for slot in self.slots:
-            slot.in_flight = None
+            slot.running.clear()
+            slot.busy_since = None
         if self._step_ref is not None:
             self._on_step_done(ray.get(self._step_ref).to_dict())
 
@@ -645,8 +658,9 @@ class Driver:
         return self._retrieval_supervisor.up
 
     def _admit_rollouts(self) -> None:
-        """Start a rollout on every idle actor whose output :func:`learner.admission.may_admit`
-        says will be consumed within ``buffer.max_staleness`` (no wasted rollouts)."""
+        """Start a rollout on every actor with a free call (``rollout.calls_per_actor``)
+        whose output :func:`learner.admission.may_admit` says will be consumed within
+        ``buffer.max_staleness`` (no wasted rollouts)."""
         import ray
 
         from learner.admission import may_admit
@@ -661,33 +675,42 @@ class Driver:
         # idle actors (learner-bound), they take turns, so none sits unused for the whole run
         # (a pod lost while its actor idles is noticed at its next rollout, not at the end)
         for slot in sorted(self.slots, key=lambda s: s.started_s):
-            if slot.in_flight is not None or slot.engine_version < 0 or slot.lost:
+            full = len(slot.running) >= self.cfg.rollout.calls_per_actor
+            if full or slot.engine_version < 0 or slot.lost:
                 continue
             if not may_admit(
                 unconsumed, slot.engine_version, per_call, self._next_take_version(),
                 live.buffer.max_staleness, live.learner.train_batch_size,
             ):  # fmt: skip
                 continue
-            slot.first_draw = self.sampler.num_drawn
+            first_draw = self.sampler.num_drawn
             records = self.sampler.sample(live.rollout.prompts_per_batch)
             # the actor may run this before the load of engine_version lands (weight loads
             # have a thread of their own): it waits for it, so its oldest token is at least
             # the version admission counted it at
-            slot.in_flight = slot.handle.rollout.remote(
-                records, min_policy_version=slot.engine_version
-            )
-            slot.submitted_version = slot.engine_version
+            ref = slot.handle.rollout.remote(records, min_policy_version=slot.engine_version)
             slot.started_s = time.perf_counter()
+            if slot.busy_since is None:
+                slot.busy_since = slot.started_s
+            slot.running.append(
+                RunningRollout(ref, slot.engine_version, slot.started_s, first_draw)
+            )
+            self._calls_running_max = max(self._calls_running_max, len(slot.running))
             unconsumed[slot.engine_version] = unconsumed.get(slot.engine_version, 0) + per_call
             self.state.trajectories_admitted += per_call
+
+    def _end_busy(self, slot: RolloutSlot) -> None:
+        """The actor has no call running any more: add its busy interval to the step's."""
+        if slot.busy_since is not None:
+            self._busy_s += time.perf_counter() - slot.busy_since
+            slot.busy_since = None
 
     def _in_flight_counts(self) -> dict[int, int]:
         """version -> trajectories being generated (running rollout calls)."""
         per_call = self.cfg.rollout.prompts_per_batch * self.cfg.rollout.group_size
         counts: dict[int, int] = {}
-        for s in self.slots:
-            if s.in_flight is not None:
-                counts[s.submitted_version] = counts.get(s.submitted_version, 0) + per_call
+        for r in (r for s in self.slots for r in s.running):
+            counts[r.submitted_version] = counts.get(r.submitted_version, 0) + per_call
         return counts
 
     def _next_take_version(self) -> int:
@@ -703,20 +726,22 @@ class Driver:
         if ref in self._pending_acks:
             self._on_sync_ack(ref)
             return
-        slot = next(s for s in self.slots if s.in_flight is not None and s.in_flight == ref)
+        slot, call = next((s, r) for s in self.slots for r in s.running if r.ref == ref)
         try:
             trajectories = ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            self._on_actor_crash(slot, e)
+            self._on_actor_crash(slot, e)  # every call running on it is lost
             return
-        slot.in_flight = None
+        slot.running.remove(call)
+        if not slot.running:
+            self._end_busy(slot)
         slot.crashes_in_a_row = 0
-        self._rollout_durations_s.append(time.perf_counter() - slot.started_s)
-        if _lost_weights(trajectories, slot.submitted_version):
+        self._rollout_durations_s.append(time.perf_counter() - call.started_s)
+        if _lost_weights(trajectories, call.submitted_version):
             # Its output is correctly stamped (and will be dropped as stale); re-sync it.
             self._on_actor_crash(slot, RuntimeError("engine lost its weights (restarted)"))
         _stamp_ids(
-            trajectories, slot.first_draw, self.cfg.rollout.group_size, self.records.lineage.attempt
+            trajectories, call.first_draw, self.cfg.rollout.group_size, self.records.lineage.attempt
         )
         landed = sum(int(t.extra.get("inflight_weight_updates", 0)) for t in trajectories)
         self.state.inflight_weight_updates += landed
@@ -863,8 +888,17 @@ class Driver:
             "rollout_tokens_per_s": self._rollout_tokens / elapsed,
             "rollouts_completed": len(durations),
             "rollout_s_mean": sum(durations) / len(durations) if durations else 0.0,
+            "rollout_calls_running_max": self._calls_running_max,
+            # actor-seconds with at least one call running (engine idle = 1 - busy / span)
+            "rollout_busy_s": self._busy_s
+            + sum(now - s.busy_since for s in self.slots if s.busy_since is not None),
         }
+        self._busy_s = 0.0
+        for slot in self.slots:
+            if slot.busy_since is not None:
+                slot.busy_since = now
         self._rollout_durations_s = []
+        self._calls_running_max = max((len(s.running) for s in self.slots), default=0)
         self.metrics.trajectories_per_s.set(out["trajectories_per_s"])
         self.metrics.rollout_tokens_per_s.set(out["rollout_tokens_per_s"])
         self._rollout_trajs = self._rollout_tokens = 0

@@ -106,15 +106,19 @@ def create_rollout_actor(cfg: RunConfig, retrieval_url: str, index: int) -> Any:
     """One rollout actor (engine + multi-turn loop), restarted by Ray up to
     ``ray.max_actor_restarts`` times after a crash (the driver re-syncs its weights).
 
-    Two threads: the default group (one thread: ``rollout`` and everything else, in turn)
-    and the weight group (:data:`services.weight_sync.ENGINE_WEIGHTS_GROUP`, one thread:
-    loads and the collective group's calls), so a weight load reaches the engine while a
-    rollout runs; :class:`actors.engines.interrupt.WeightGate` decides when it lands."""
+    Two thread groups: the default group (``rollout.calls_per_actor`` threads: ``rollout``
+    calls, which share the engine turn by turn, :class:`actors.rollout.ContinuousBatcher`,
+    and everything else) and the weight group
+    (:data:`services.weight_sync.ENGINE_WEIGHTS_GROUP`, one thread: loads and the collective
+    group's calls), so a weight load reaches the engine while a rollout runs;
+    :class:`actors.engines.interrupt.WeightGate` decides when it lands."""
     from actors.rollout import RolloutWorker
     from services.weight_sync import ENGINE_WEIGHTS_GROUP
 
     # concurrency groups are a class option (``.options()`` refuses them)
-    cls = ray.remote(concurrency_groups={ENGINE_WEIGHTS_GROUP: 1})(RolloutWorker)
+    cls = ray.remote(
+        concurrency_groups={ENGINE_WEIGHTS_GROUP: 1}, max_concurrency=cfg.rollout.calls_per_actor
+    )(RolloutWorker)
     cls = cls.options(**rollout_actor_options(cfg, index))
     return cls.remote(
         model_path=str(cfg.model.path),

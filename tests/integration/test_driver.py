@@ -420,3 +420,27 @@ def test_interruptible_run_keeps_the_bound_and_takes_a_live_change(
     changes = read_jsonl(run_dir / "config_changes.jsonl")
     assert ["rollout.interrupt_every_tokens"] in [c["fields"] for c in changes]
     print("inflight weight updates:", steps[-1]["inflight_weight_updates"])
+
+
+def test_continuous_batching_run_keeps_the_bound(tmp_path: Path, tiny_llama_dir: Path):
+    """``rollout.calls_per_actor = 2``: the driver starts a second admitted rollout on a
+    busy actor, whose episodes share the engine's turns with the first; nothing is dropped
+    at the constant bound and no consumed token is older than it."""
+    cfg = tiny_run_config(
+        tmp_path, tiny_llama_dir,
+        **{"rollout.calls_per_actor": 2, "rollout.num_actors": 1, "run.num_steps": 5,
+           "buffer.max_staleness": 2},
+    )  # fmt: skip
+    run = RunInThread(cfg)
+    run.thread.join(900)
+    assert not run.thread.is_alive(), "run did not finish"
+    if run.error is not None:
+        raise run.error
+    steps = read_jsonl(cfg.run_dir / "steps.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+    assert max(s["rollout_calls_running_max"] for s in steps) == 2
+    assert steps[-1]["trajectories_dropped_stale"] == 0
+    assert all(s["staleness_max"] <= 2 and s["staleness_token_max"] <= 2 for s in steps)
+    for line in read_jsonl(cfg.run_dir / "consumed.jsonl"):
+        for staleness, runs in zip(line["staleness"], line["token_versions"], strict=True):
+            assert line["step"] - 1 - runs[0][0] == staleness <= 2  # the oldest token's

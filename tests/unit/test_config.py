@@ -78,6 +78,11 @@ def test_dotted_overrides_parse_toml_values():
             ["sync.fixed_lag=true", "rollout.interrupt_every_tokens=8"],
             "rollout.interrupt_every_tokens must be 0 with sync.fixed_lag = true (got 8)",
         ),
+        (["rollout.calls_per_actor=0"], "rollout.calls_per_actor"),
+        (
+            ["sync.fixed_lag=true", "rollout.calls_per_actor=2"],
+            "rollout.calls_per_actor must be 1 with sync.fixed_lag = true (got 2)",
+        ),
     ],
 )
 def test_invalid_values_fail_naming_the_field(overrides, expected):
