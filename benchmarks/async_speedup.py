@@ -139,6 +139,13 @@ def engine_idle_fraction(steps: list[dict], num_actors: int) -> float:
     return max(0.0, 1.0 - busy / (num_actors * span))
 
 
+def generated_per_busy_s(steps: list[dict]) -> float:
+    """Trajectories generated per actor-second with a rollout call running, over the steady
+    state: the engines' own throughput, whatever the learner does."""
+    made = steps[-1]["trajectories_generated"] - steps[0]["trajectories_generated"]
+    return made / max(sum(s["rollout_busy_s"] for s in steps[1:]), 1e-9)
+
+
 def token_staleness(steps: list[dict]) -> tuple[float, int]:
     """(mean, max) per-token staleness over the consumed tokens of every step (each step's
     mean weighted equally: the batches are the same size in trajectories)."""
@@ -182,6 +189,8 @@ def main_compare(
                 n=n,
                 rate=trained_per_s(steps, batch),
                 idle=engine_idle_fraction(steps, cfg.rollout.num_actors),
+                gen_rate=generated_per_busy_s(steps),
+                step_s=sorted(s["wall_s"] for s in steps)[len(steps) // 2],
                 stale_mean=sum(s["staleness_mean"] for s in steps) / len(steps),
                 tok_mean=mean_tok,
                 tok_max=max_tok,
@@ -190,13 +199,15 @@ def main_compare(
             )
         )
     print(f"\nmax_staleness = {max_staleness} in both runs")
-    print(f"| {option} | trained traj/s | engine idle | trajectory staleness "
+    print(f"| {option} | trained traj/s | learner step s (median) | engine idle | generated "
+          "traj per busy engine-s | trajectory staleness "
           "mean | token staleness mean | token staleness max | in-flight updates | "
           "generated | dropped stale | waste |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['n']} | {r['rate']:.3f} | {r['idle']:.2f} | {r['stale_mean']:.2f} | "
+            f"| {r['n']} | {r['rate']:.3f} | {r['step_s']:.1f} | {r['idle']:.2f} | "
+            f"{r['gen_rate']:.3f} | {r['stale_mean']:.2f} | "
             f"{r['tok_mean']:.2f} | {r['tok_max']} | {r['inflight']} | "
             f"{r['trajectories_generated']:.0f} | {r['trajectories_dropped_stale']:.0f} | "
             f"{r['waste_fraction']:.3f} |"
