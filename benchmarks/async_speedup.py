@@ -32,7 +32,8 @@ the waste fraction.
 before continuous batching) with ``K`` calls whose episodes share each turn's engine call
 (:class:`actors.rollout.ContinuousBatcher`), same columns (engine idle: no call running on
 the actor). ``--warm-start`` first runs the config's warm-start SFT once (0 learner steps,
-``sft.enabled = true``) and starts both runs from its policy: an untrained SmolLM2 rarely
+``sft.enabled = true``; reused by a later benchmark with the same overrides) and starts
+both runs from its policy: an untrained SmolLM2 rarely
 searches, so its episodes are one turn long and there is nothing to batch across calls.
 """
 
@@ -155,16 +156,19 @@ def token_staleness(steps: list[dict]) -> tuple[float, int]:
 
 def warm_start_policy(overrides: list[str]) -> str:
     """Run the config's warm-start SFT once (0 learner steps, no evaluation) and return the
-    folder of the policy it exported (the run's step-0 checkpoint). A policy already in
-    ``runs/bench_async_warm_start`` is reused: delete that folder after changing the SFT
-    or model settings."""
+    folder of the policy it exported (the run's step-0 checkpoint). The run is named by a
+    hash of ``overrides``, and a policy already there (an earlier benchmark with the same
+    overrides) is reused."""
+    import hashlib
+
     from services.config import load_config
     from services.driver import run_training
 
-    fixed = ["sft.enabled=true", "run.num_steps=0", 'run.name="bench_async_warm_start"']
+    digest = hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:8]
+    fixed = ["sft.enabled=true", "run.num_steps=0", f'run.name="bench_async_warm_start_{digest}"']
     cfg = load_config(CONFIG, [*overrides, *fixed])
     policy = cfg.run_dir / "checkpoints" / "step_000000" / "hf_policy"
-    if not policy.is_dir():  # the warm start of an earlier benchmark run is reused
+    if not policy.is_dir():
         run_training(cfg, overwrite=True)
     return str(policy)
 
