@@ -380,11 +380,8 @@ def _generate_turn(
 
 def _apply_generation(
     tokenizer, e: _Episode, result: GenerationResult, budget: int, cfg: RolloutConfig
-) -> int:
-    """Append one turn's tokens (cut to this episode's budget) and decide what happens next.
-
-    Returns the number of tokens kept.
-    """
+) -> None:
+    """Append one turn's tokens (cut to this episode's budget) and decide what happens next."""
     token_ids, logprobs, reason = result.token_ids, result.logprobs, result.finish_reason
     versions, stop = result.token_versions, result.stop_string
     if len(token_ids) > budget:  # the batch used a larger budget than this episode has
@@ -404,7 +401,6 @@ def _apply_generation(
         e.finish_reason = "eos"
     else:
         e.finish_reason = "max_tokens"
-    return len(token_ids)
 
 
 def _retrieve_turn(
