@@ -8,7 +8,14 @@ import threading
 
 import pytest
 from rollout_fakes import TableRetriever
-from test_rollout_loop import LIMA, TURN0, enc, record, start_loader_and_wait
+from test_rollout_loop import (
+    LIMA,
+    TURN0,
+    enc,
+    record,
+    start_loader_and_wait,
+    start_loader_during_first_retrieval,
+)
 from transformers import AutoTokenizer
 
 from actors.config import RolloutConfig
@@ -141,15 +148,7 @@ def test_with_one_call_per_actor_a_load_still_waits_for_the_whole_call(tok):
     """calls_per_actor = 1 (the default) keeps the old behaviour: no safe point between
     turns unless interrupt_every_tokens > 0."""
     worker, engine = two_call_worker(tok, calls_per_actor=1)
-    loaders: list[threading.Thread] = []
-    retrieve = worker.client.retrieve
-
-    def retrieve_and_start_loader(queries):
-        if not loaders:
-            loaders.append(start_loader_and_wait(worker, 1))
-        return retrieve(queries)
-
-    worker.client.retrieve = retrieve_and_start_loader
+    loaders = start_loader_during_first_retrieval(worker, 1)
     (long,) = worker.rollout([record("Long?", "Lima")])
     loaders[0].join(5)
     assert set(long.token_versions[long.loss_mask.astype(bool)].tolist()) == {0}

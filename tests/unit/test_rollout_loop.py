@@ -259,6 +259,22 @@ def start_loader_and_wait(worker, version: int) -> threading.Thread:
     return thread
 
 
+def start_loader_during_first_retrieval(worker, version: int) -> list[threading.Thread]:
+    """Make the worker's first ``/retrieve`` start a ``load_weights(version)`` and wait
+    until it queues for the gate (an update arriving while retrieval runs, between two
+    turns); the returned list gets the loader thread."""
+    loaders: list[threading.Thread] = []
+    retrieve = worker.client.retrieve
+
+    def retrieve_and_start_loader(queries):
+        if not loaders:
+            loaders.append(start_loader_and_wait(worker, version))
+        return retrieve(queries)
+
+    worker.client.retrieve = retrieve_and_start_loader
+    return loaders
+
+
 TURN0 = "<think>I should look this up first.</think><search>q</search>"
 
 
@@ -292,14 +308,7 @@ def test_an_update_lands_mid_turn_and_later_tokens_carry_it(tok):
 
 def test_an_update_waiting_between_turns_lands_before_the_next_turn(tok):
     worker, _engine = interruptible_worker(tok, {"Q?": [TURN0, "<answer>Lima</answer>"]}, 1000)
-    threads = []
-    retrieve = worker.client.retrieve
-
-    def retrieve_and_start_loader(queries):  # the update arrives while retrieval runs
-        threads.append(start_loader_and_wait(worker, 1))
-        return retrieve(queries)
-
-    worker.client.retrieve = retrieve_and_start_loader
+    start_loader_during_first_retrieval(worker, 1)
     (traj,) = worker.rollout([record("Q?", "Lima")])
     n0 = len(enc(tok, TURN0))
     policy = traj.token_versions[traj.loss_mask.astype(bool)].tolist()
@@ -309,14 +318,7 @@ def test_an_update_waiting_between_turns_lands_before_the_next_turn(tok):
 
 def test_with_interruption_off_a_load_waits_for_the_whole_batch(tok):
     worker, engine = interruptible_worker(tok, {"Q?": [TURN0, "<answer>Lima</answer>"]}, 0)
-    threads = []
-    retrieve = worker.client.retrieve
-
-    def retrieve_and_start_loader(queries):
-        threads.append(start_loader_and_wait(worker, 1))
-        return retrieve(queries)
-
-    worker.client.retrieve = retrieve_and_start_loader
+    threads = start_loader_during_first_retrieval(worker, 1)
     (traj,) = worker.rollout([record("Q?", "Lima")])
     threads[0].join(5)
     assert set(traj.token_versions[traj.loss_mask.astype(bool)].tolist()) == {0}
