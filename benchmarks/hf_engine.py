@@ -8,6 +8,16 @@ allocated. ``--random-init`` builds random weights from ``--model``'s config and
 ``scripts/gpu_smoke.sh --learner`` runs it on CUDA::
 
     python3 benchmarks/hf_engine.py --random-init --device cuda --out runs/bench/hf_engine.json
+
+``--merge-contexts 300,900`` measures what continuous batching across rollout calls
+(``rollout.calls_per_actor > 1``, :class:`actors.rollout.ContinuousBatcher`) asks of the
+engine: call A (``--batch`` rows with about 300 tokens of context, a first turn) and call B
+(``--batch`` rows with about 900, a third turn) generated one after the other, against one
+merged call of both (left-padded to the longer context). Rounds interleave the two ways;
+``merge_speedup`` = (seconds of A + seconds of B) / seconds of the merged call, medians
+(above 1: the engine makes more tokens per busy second when two calls share a turn)::
+
+    python3 benchmarks/hf_engine.py --random-init --merge-contexts 300,900 --batch 8 --out runs/bench/hf_merge.json
 """
 
 from __future__ import annotations
@@ -52,6 +62,85 @@ def random_init_copy(model_dir: Path, seed: int) -> Path:
     return out
 
 
+PASSAGE = (
+    "Doc 1 (Title: Lima) Lima is the capital and the largest city of Peru. It is located in "
+    "the valleys of the Chillon, Rimac and Lurin rivers, in the central coastal part of the "
+    "country, overlooking the Pacific Ocean. Jorge Chavez International Airport serves it. "
+)
+
+
+def context_prompts(engine: HFEngine, batch: int, tokens: int) -> list[list[int]]:
+    """``batch`` prompts of ``tokens`` token ids each: a chat prompt (question, generation
+    prompt) followed by retrieved-passage text, like a multi-turn context after a few turns.
+
+    Raises:
+        ValueError: ``tokens`` is shorter than the chat prompt itself.
+    """
+    filler = engine.tokenizer(PASSAGE * (tokens // 40 + 1), add_special_tokens=False)["input_ids"]
+    prompts = []
+    for i in range(batch):
+        chat = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            tokenize=True,
+            add_generation_prompt=True,
+        )["input_ids"]
+        if tokens < len(chat):
+            raise ValueError(
+                f"--merge-contexts {tokens} is shorter than the chat prompt ({len(chat)} tokens)"
+            )
+        prompts.append(chat + filler[: tokens - len(chat)])
+    return prompts
+
+
+def measure_merge(engine: HFEngine, params: SamplingParams, args: argparse.Namespace) -> dict:
+    """Two calls one after the other vs the same two merged into one engine call.
+
+    Returns the medians over ``args.repeats`` rounds (seconds, tokens/s) and
+    ``merge_speedup`` = median(sequential seconds) / median(merged seconds).
+    """
+    short, long = (int(x) for x in args.merge_contexts.split(","))
+    calls = {
+        "a": context_prompts(engine, args.batch, short),
+        "b": context_prompts(engine, args.batch, long),
+    }
+    calls["merged"] = calls["a"] + calls["b"]
+    engine.generate(calls["merged"], params)  # warm-up at the largest shape
+    seconds: dict[str, list[float]] = {k: [] for k in calls}
+    tokens: dict[str, list[int]] = {k: [] for k in calls}
+    for r in range(args.repeats):
+        order = ["a", "b", "merged"] if r % 2 == 0 else ["merged", "a", "b"]
+        for name in order:
+            t0 = time.perf_counter()
+            results = engine.generate(calls[name], params)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds[name].append(time.perf_counter() - t0)
+            tokens[name].append(sum(len(x.token_ids) for x in results))
+    sequential = [a + b for a, b in zip(seconds["a"], seconds["b"], strict=True)]
+    sequential_tokens = [a + b for a, b in zip(tokens["a"], tokens["b"], strict=True)]
+    out = {
+        "contexts": [short, long],
+        "a_s": statistics.median(seconds["a"]),
+        "b_s": statistics.median(seconds["b"]),
+        "sequential_s": statistics.median(sequential),
+        "merged_s": statistics.median(seconds["merged"]),
+        "sequential_tokens_per_s": statistics.median(
+            t / s for t, s in zip(sequential_tokens, sequential, strict=True)
+        ),
+        "merged_tokens_per_s": statistics.median(
+            t / s for t, s in zip(tokens["merged"], seconds["merged"], strict=True)
+        ),
+        "seconds_all": seconds,
+    }
+    out["merge_speedup"] = out["sequential_s"] / out["merged_s"]
+    print(
+        f"  merge: A ({args.batch} x {short} ctx) {out['a_s']:.2f} s + B ({args.batch} x {long} ctx) "
+        f"{out['b_s']:.2f} s = {out['sequential_s']:.2f} s; merged {out['merged_s']:.2f} s: "
+        f"{out['merge_speedup']:.2f}x"
+    )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="data/model/smollm2-135m-instruct")
@@ -62,6 +151,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--merge-contexts",
+        default=None,
+        metavar="SHORT,LONG",
+        help="also time two calls of --batch rows (contexts of SHORT and LONG tokens) one after "
+        "the other vs merged into one call",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = random_init_copy(Path(args.model), args.seed) if args.random_init else args.model
@@ -99,6 +195,8 @@ def main() -> None:
         "tokens_per_s_all": rates,
         "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
     }
+    if args.merge_contexts:
+        out["merge"] = measure_merge(engine, params, args)
     print(
         f"HF engine on {out['device']}: {out['tokens_per_s']:.0f} tokens/s "
         f"({args.batch} x {args.new_tokens} new tokens, {args.dtype}, median of {args.repeats})"

@@ -13,7 +13,7 @@
 #       (STPPO_GPU_SITE). Runs tests/gpu (the DeepSpeed learner on CUDA, the HF engine on CUDA
 #       against the learner's log-probs), the HF engine contract tests, and measures the
 #       learner step (policy + critic + reference, random-init SmolLM2-135M, bf16, ZeRO-2)
-#       and the HF engine's generation on CUDA.
+#       and the HF engine's generation on CUDA (also two calls merged into one).
 #
 # Either mode writes DIR/report.txt and DIR/figures.json (default DIR runs/gpu_smoke), plus
 # DIR/details/ (test reports, benchmark JSON and logs). Every step that fails stops the
@@ -164,6 +164,10 @@ else
     --out "$DETAILS/learner_step_b64.json"
   run hf_engine "$PY" benchmarks/hf_engine.py --random-init --model "$MODEL" --device cuda \
     --out "$DETAILS/hf_engine.json"
+  # two rollout calls' turns one after the other vs merged into one engine call (what
+  # rollout.calls_per_actor > 1 asks of the engine): 8 rows at ~300 and 8 at ~900 tokens
+  run hf_engine_merge "$PY" benchmarks/hf_engine.py --random-init --model "$MODEL" --device cuda \
+    --batch 8 --repeats 5 --merge-contexts 300,900 --out "$DETAILS/hf_engine_merge.json"
 fi
 [[ -n "$sampler" ]] && kill "$sampler" 2>/dev/null || true
 
@@ -234,6 +238,14 @@ if engine is not None:
     lines.append(f"  HF engine on CUDA        {engine['tokens_per_s']:.0f} tokens/s ({engine['batch']} x "
                  f"{engine['new_tokens']} new tokens, {engine['dtype']}), peak GPU allocated "
                  f"{engine['peak_gpu_allocated_gib']:.2f} GiB")
+merge_bench = read_json("hf_engine_merge.json") or {}
+merge = merge_bench.get("merge")
+if merge is not None:
+    merge_rows = merge_bench["batch"]
+    figures["hf_engine_merge"] = {k: v for k, v in merge.items() if k != "seconds_all"}
+    lines.append(f"  HF engine, two calls     {merge_rows} x {merge['contexts'][0]} + {merge_rows} x {merge['contexts'][1]} context tokens: "
+                 f"{merge['sequential_s']:.2f} s one after the other, {merge['merged_s']:.2f} s merged "
+                 f"({merge['merge_speedup']:.2f}x)")
 steps_file = details / "gpu_smoke" / "steps.jsonl"  # the full mode's main job
 if steps_file.exists():
     steps = [json.loads(line) for line in steps_file.read_text().splitlines()]
