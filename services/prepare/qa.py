@@ -48,10 +48,10 @@ from services.prepare.corpus import (
     load_sources,
     slug,
 )
+from services.prepare.manifest import read_manifest
 
 if TYPE_CHECKING:
     from retrieval_server.retrievers import BM25Retriever
-from services.prepare.manifest import read_manifest
 
 BUILD_VERSION = 2
 """Bump when the generated records change; a built ``qa/`` of another version is rebuilt."""
@@ -1040,10 +1040,10 @@ def bm25_recall_at_k(
     defaults, Lucene, k1=1.5, b=0.75, English stop words, Snowball English stemmer, ties
     broken by the smaller passage index) over all passages.
     """
-    return _recall_with(_bm25_index(passages), queries, targets, k)
+    return _recall_with(_bm25_retriever(passages), queries, targets, k)
 
 
-def _bm25_index(passages: dict[str, str]) -> BM25Retriever:
+def _bm25_retriever(passages: dict[str, str]) -> BM25Retriever:
     """The retrieval server's BM25 over ``passages`` (id -> text, in this order)."""
     from retrieval_server.passages import Passages
     from retrieval_server.retrievers import BM25Retriever
@@ -1074,7 +1074,7 @@ def retrieval_report(
     """BM25 recall@k of the answer passage: raw question (one hop) for every set, and for
     multi-hop also the demonstrator's second query (bridge hop). At most ``sample`` items
     per measurement (deterministic sample)."""
-    retriever = _bm25_index(passages)
+    retriever = _bm25_retriever(passages)
     rng = random.Random(SEED)
     report: dict = {"k": k}
     for name, recs in sets.items():
