@@ -243,6 +243,17 @@ def test_bm25_recall_hand_checked() -> None:
     assert recall == 2 / 3
 
 
+def test_bm25_recall_breaks_ties_like_the_retrieval_server() -> None:
+    # Same text, same score: the server returns the smaller passage index first, and the
+    # QA report counts hits the same way (bm25s's own retrieve broke ties arbitrarily).
+    passages = {"p1": "Lima is the capital of Peru.", "p2": "Lima is the capital of Peru."}
+    passages["p3"] = "Quito is the capital of Ecuador."
+    assert qa.bm25_recall_at_k(passages, ["capital Peru"], ["p1"], k=1) == 1.0
+    assert qa.bm25_recall_at_k(passages, ["capital Peru"], ["p2"], k=1) == 0.0
+    assert qa.bm25_recall_at_k(passages, ["capital Peru"], ["p2"], k=2) == 1.0
+    assert qa.bm25_recall_at_k(passages, [], [], k=1) == 0.0
+
+
 def test_medicine_class_skips_list_headings() -> None:
     m = S.Medicine(
         "ethambutol", ("Complementary", "Antituberculosis medicines", "ANTIBACTERIALS"), "Oral", "C"
