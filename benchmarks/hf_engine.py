@@ -62,6 +62,33 @@ def random_init_copy(model_dir: Path, seed: int) -> Path:
     return out
 
 
+def chat_prompts(engine: HFEngine, batch: int) -> list[list[int]]:
+    """``batch`` chat prompts (token ids, generation prompt added), cycling over QUESTIONS."""
+    return [
+        engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            tokenize=True,
+            add_generation_prompt=True,
+        )["input_ids"]
+        for i in range(batch)
+    ]
+
+
+def timed_generate(
+    engine: HFEngine, prompts: list[list[int]], params: SamplingParams
+) -> tuple[float, int]:
+    """One ``engine.generate`` call: (wall seconds, CUDA synchronised before and after;
+    tokens generated over all rows)."""
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, params)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, sum(len(r.token_ids) for r in results)
+
+
 PASSAGE = (
     "Doc 1 (Title: Lima) Lima is the capital and the largest city of Peru. It is located in "
     "the valleys of the Chillon, Rimac and Lurin rivers, in the central coastal part of the "
@@ -78,12 +105,7 @@ def context_prompts(engine: HFEngine, batch: int, tokens: int) -> list[list[int]
     """
     filler = engine.tokenizer(PASSAGE * (tokens // 40 + 1), add_special_tokens=False)["input_ids"]
     prompts = []
-    for i in range(batch):
-        chat = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-            tokenize=True,
-            add_generation_prompt=True,
-        )["input_ids"]
+    for chat in chat_prompts(engine, batch):
         if tokens < len(chat):
             raise ValueError(
                 f"--merge-contexts {tokens} is shorter than the chat prompt ({len(chat)} tokens)"
@@ -110,12 +132,9 @@ def measure_merge(engine: HFEngine, params: SamplingParams, args: argparse.Names
     for r in range(args.repeats):
         order = ["a", "b", "merged"] if r % 2 == 0 else ["merged", "a", "b"]
         for name in order:
-            t0 = time.perf_counter()
-            results = engine.generate(calls[name], params)
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds[name].append(time.perf_counter() - t0)
-            tokens[name].append(sum(len(x.token_ids) for x in results))
+            call_s, call_tokens = timed_generate(engine, calls[name], params)
+            seconds[name].append(call_s)
+            tokens[name].append(call_tokens)
     sequential = [a + b for a, b in zip(seconds["a"], seconds["b"], strict=True)]
     sequential_tokens = [a + b for a, b in zip(tokens["a"], tokens["b"], strict=True)]
     out = {
@@ -162,14 +181,7 @@ def main() -> None:
     args = parser.parse_args()
     model = random_init_copy(Path(args.model), args.seed) if args.random_init else args.model
     engine = HFEngine(model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
-    prompts = [
-        engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-            tokenize=True,
-            add_generation_prompt=True,
-        )["input_ids"]
-        for i in range(args.batch)
-    ]
+    prompts = chat_prompts(engine, args.batch)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, stop=(), seed=3)
     engine.generate(prompts, params)  # warm-up
     cuda = engine.device.type == "cuda"
@@ -177,14 +189,8 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
     rates = []
     for _ in range(args.repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        results = engine.generate(prompts, params)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        rates.append(sum(len(r.token_ids) for r in results) / seconds)
+        seconds, generated = timed_generate(engine, prompts, params)
+        rates.append(generated / seconds)
     out = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "dtype": args.dtype,
