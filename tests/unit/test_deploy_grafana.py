@@ -4,10 +4,8 @@ parses (promql-parser), and every series and label it names is one the code expo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import promql_parser
@@ -15,6 +13,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
+from script_modules import load_script
 
 from services.env import PROJECT_ROOT
 from services.metrics import TrainingMetrics, exported_metric_names
@@ -36,13 +35,7 @@ SPEC_SECTION_4 = [
 
 
 def _load_generator():
-    spec = importlib.util.spec_from_file_location(
-        "build_dashboards", GRAFANA / "build_dashboards.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script(GRAFANA / "build_dashboards.py", "build_dashboards")
 
 
 def _metric_objects(*holders) -> list[MetricWrapperBase]:

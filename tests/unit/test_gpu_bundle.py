@@ -4,26 +4,16 @@ runs. (The install itself, end to end: ``tests/integration/test_gpu_smoke_offlin
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import tomllib
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 from services.env import PROJECT_ROOT
 
-
-def load_bundle_module():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_bundle", PROJECT_ROOT / "scripts" / "gpu_bundle.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_bundle = load_bundle_module()
+gpu_bundle = load_script(PROJECT_ROOT / "scripts" / "gpu_bundle.py", "gpu_bundle")
 
 
 def test_bundled_versions_are_the_project_pins():

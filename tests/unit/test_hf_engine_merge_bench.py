@@ -4,30 +4,17 @@ contexts it builds and the speed-up it reports, on a tiny random Llama on CPU.""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
 
 import pytest
 import torch
+from script_modules import load_script
 
 from actors.engines.hf import HFEngine
 from actors.engines.protocol import SamplingParams
 from services.env import PROJECT_ROOT
 
-
-def _load_benchmark():
-    """benchmarks/ is a folder of scripts, not a package: load the file by its path."""
-    spec = importlib.util.spec_from_file_location(
-        "hf_engine_benchmark", PROJECT_ROOT / "benchmarks" / "hf_engine.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_bench = _load_benchmark()
+_bench = load_script(PROJECT_ROOT / "benchmarks" / "hf_engine.py", "hf_engine_benchmark")
 
 
 @pytest.fixture(scope="module")

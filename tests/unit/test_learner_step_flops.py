@@ -3,29 +3,16 @@ SmolLM2-135M's shapes."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from types import SimpleNamespace
 
 import pytest
 from learner_factories import make_batch
+from script_modules import load_script
 
 from learner.config import GRPOConfig, PPOConfig, STPPOConfig
 from services.env import PROJECT_ROOT
 
-
-def _load_benchmark():
-    """benchmarks/ is a folder of scripts, not a package: load the file by its path."""
-    spec = importlib.util.spec_from_file_location(
-        "learner_step_benchmark", PROJECT_ROOT / "benchmarks" / "learner_step.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-_bench = _load_benchmark()
+_bench = load_script(PROJECT_ROOT / "benchmarks" / "learner_step.py", "learner_step_benchmark")
 flops_per_token, padded_tokens, step_flops = (
     _bench.flops_per_token,
     _bench.padded_tokens,
