@@ -30,6 +30,66 @@ class StrictModel(BaseModel):
 
 # --------------------------------------------------------------------------- algorithm
 
+CorrectionLevel = Literal["none", "token", "turn", "sequence"]
+SegmentStatistic = Literal["ratio", "geometric_mean"]
+
+_BEHAVIOR_WEIGHT_MIGRATION = (
+    "behavior_weight_cap / behavior_weight_mode / behavior_weight_level were folded into "
+    "algorithm.rollout_correction: cap C with mode 'truncate' -> is_level = 'token' (or "
+    "'turn' with is_statistic = 'geometric_mean' for level 'turn'), is_cap = C; mode 'drop' "
+    "-> the same plus mask_level = 'token' (or 'turn', mask_statistic = 'geometric_mean'), "
+    "mask_high = C"
+)
+
+
+class RolloutCorrectionConfig(StrictModel):
+    """How the decoupled objective weighs each token for the gap between the proximal and
+    the behaviour policy, ``w_t = pi_prox(y_t) / pi_b(y_t)`` (:mod:`learner.corrections`):
+    truncated importance sampling (TIS), masked importance sampling / rejection (MIS,
+    Geo-RS, IcePop), at token, turn or sequence level. Used only with ``off_policy =
+    decoupled``. The defaults are token TIS with cap 2 (AReaL's decoupled PPO).
+
+    Recipes: IcePop = ``is_level = "token"``, ``is_cap = 5``, ``mask_level = "token"``,
+    ``mask_low = 0.5``, ``mask_high = 5``; sequence TIS = ``is_level = "sequence"``;
+    Geo-RS = ``mask_level = "sequence"``, ``mask_statistic = "geometric_mean"`` with bounds.
+    """
+
+    is_level: CorrectionLevel = "token"
+    """Importance weight per ``token``, per ``turn`` or per ``sequence`` (a statistic of
+    the segment's token weights, ``is_statistic``), truncated at ``is_cap``; ``none``: no
+    weight (the decoupled objective then ignores the behaviour policy)."""
+
+    is_statistic: SegmentStatistic = "ratio"
+    """Turn and sequence weights: the product of the token weights (``ratio``, the
+    segment's likelihood ratio; verl's sequence IS) or their geometric mean."""
+
+    is_cap: float = Field(2.0, gt=1.0, le=1e6)
+    """Truncation of the importance weight (TIS): ``min(W, is_cap)`` (verl's default 2)."""
+
+    mask_level: CorrectionLevel = "none"
+    """Mask (weight 0) the tokens, turns or sequences whose statistic leaves
+    ``[mask_low, mask_high]`` (MIS / rejection sampling); ``none``: no mask."""
+
+    mask_statistic: SegmentStatistic = "geometric_mean"
+    """Turn and sequence masks: bound the geometric mean of the token weights (Geo-RS) or
+    their product (``ratio``)."""
+
+    mask_low: float = Field(0.0, ge=0.0)
+    """Lowest statistic kept (ratio space; 0: no lower bound)."""
+
+    mask_high: float | None = Field(None, gt=0.0)
+    """Highest statistic kept (ratio space); ``None``: no upper bound."""
+
+    @model_validator(mode="after")
+    def _check_mask_bounds(self) -> RolloutCorrectionConfig:
+        if self.mask_high is not None and not self.mask_low < self.mask_high:
+            raise ValueError(
+                f"mask_low ({self.mask_low}) must be below mask_high ({self.mask_high})"
+            )
+        if self.mask_level != "none" and self.mask_low == 0.0 and self.mask_high is None:
+            raise ValueError("mask_level is set but neither mask_low nor mask_high bounds it")
+        return self
+
 
 class _AlgorithmBase(StrictModel):
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0)
@@ -67,14 +127,23 @@ class _AlgorithmBase(StrictModel):
     staleness 0; at staleness k the trust region is centred on the current weights instead
     of weights k versions old."""
 
-    behavior_weight_cap: float = Field(2.0, gt=1.0, le=100.0)
-    """Decoupled PPO: largest behaviour weight pi_prox / pi_behaviour kept."""
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+    """Decoupled objective: the weight of each token for pi_prox / pi_behaviour (TIS, MIS,
+    IcePop; :class:`RolloutCorrectionConfig`)."""
 
-    behavior_weight_mode: Literal["truncate", "drop"] = "truncate"
-    """Decoupled PPO: above the cap the weight is truncated to it, or the token dropped."""
+    m2po_threshold: float | None = Field(None, gt=0.0, le=100.0)
+    """M2PO (Zheng et al. 2025, arXiv 2510.01161): mask the policy tokens of the batch with
+    the largest squared log behaviour weight ``(log pi_prox - log pi_b)^2`` until the rest's
+    mean is below this bound (the paper: 0.04). ``None``: off. Decoupled objective with
+    ``proximal = recompute`` only."""
 
-    behavior_weight_level: Literal["token", "turn"] = "token"
-    """Decoupled PPO: per-token weights, or the turn's geometric mean per token."""
+    proximal: Literal["recompute", "loglinear"] = "recompute"
+    """Decoupled objective: the proximal log-probs are recomputed (one policy forward over
+    the batch per learner step), or approximated log-linearly between the behaviour and the
+    current log-probs by policy version (AReaL's ``loglinear``,
+    :func:`learner.corrections.loglinear_proximal_logprobs`), which skips that forward.
+    With ``recompute`` the approximation's error is measured every step
+    (``proximal_approx_abs_error``)."""
 
     token_log_ratio_bound: float | None = Field(0.4, gt=0.0, le=LOG_RATIO_CLAMP)
     """RECONSTRUCTED (spec section 6, GMPO's log-space clip 0.4). Bound (nats) on each
@@ -93,6 +162,8 @@ class _AlgorithmBase(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _renamed_fields(cls, data: object) -> object:
+        if isinstance(data, dict) and any(k.startswith("behavior_weight_") for k in data):
+            raise ValueError(_BEHAVIOR_WEIGHT_MIGRATION)
         if isinstance(data, dict) and "old_logprob_source" in data:
             raise ValueError(
                 "old_logprob_source was removed: 'recompute' silently dropped the "
@@ -108,6 +179,22 @@ class _AlgorithmBase(StrictModel):
             raise ValueError(
                 f"clip_ratio_c ({self.clip_ratio_c}) must be > 1 + clip_eps_high "
                 f"({1.0 + self.clip_eps_high})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_off_policy_options(self) -> _AlgorithmBase:
+        if self.off_policy == "behavior" and self.proximal != "recompute":
+            raise ValueError(
+                "proximal = 'loglinear' approximates the decoupled objective's proximal "
+                "policy: it needs off_policy = 'decoupled'"
+            )
+        if self.m2po_threshold is not None and (
+            self.off_policy != "decoupled" or self.proximal != "recompute"
+        ):
+            raise ValueError(
+                "m2po_threshold masks by the recomputed proximal/behaviour log-ratio: it "
+                "needs off_policy = 'decoupled' and proximal = 'recompute'"
             )
         return self
 
@@ -158,6 +245,15 @@ class _BiasCorrectionFields(StrictModel):
     delta: float = Field(1e-8, gt=0.0)
     """Stabiliser of the ``divide`` mode."""
 
+    @model_validator(mode="after")
+    def _check_param_norm_needs_proximal(self) -> _BiasCorrectionFields:
+        if self.bias_norm == "param" and getattr(self, "proximal", "recompute") != "recompute":
+            raise ValueError(
+                "bias_norm = 'param' takes its extra backward against recomputed proximal "
+                "log-probs: use proximal = 'recompute' or bias_norm = 'logprob'"
+            )
+        return self
+
 
 class _GroupFields(StrictModel):
     group_std_normalize: bool = True
@@ -195,6 +291,52 @@ class STPPOConfig(_AlgorithmBase, _GAEFields, _TurnFields, _BiasCorrectionFields
     """Selects this variant (``st_ppo``)."""
 
 
+class GSPOConfig(_AlgorithmBase, _GAEFields):
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): one ratio per sequence, the geometric mean
+    of its token ratios, with GSPO-token's per-token gradient (eq. 13, verl's
+    ``compute_policy_loss_gspo``), GAE advantages. Turn-PPO with one turn per sequence."""
+
+    variant: Literal["gspo"] = "gspo"
+    """Selects this variant (``gspo``)."""
+
+    clip_eps_low: float = Field(3e-4, gt=0.0, lt=1.0)
+    """Lower clip range of the sequence ratio (the paper: 3e-4; a length-normalised ratio
+    moves far less than a token's)."""
+
+    clip_eps_high: float = Field(4e-4, gt=0.0, le=10.0)
+    """Upper clip range of the sequence ratio (the paper: 4e-4)."""
+
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "seq-mean-token-mean"
+    """Per-sequence mean first, then over sequences (the paper's sequence-level objective;
+    verl forces it for GSPO)."""
+
+    token_log_ratio_bound: float | None = Field(None, gt=0.0, le=LOG_RATIO_CLAMP)
+    """GMPO's token bound before the sequence mean; off in GSPO (the paper has none)."""
+
+    clip_ratio_c: float | None = Field(None, gt=1.0, le=1000.0)
+    """Dual clip for A < 0; off in GSPO (verl's GSPO loss has none)."""
+
+
+class CISPOConfig(_AlgorithmBase, _GAEFields):
+    """CISPO (MiniMax-M1, Chen et al. 2025, arXiv 2506.13585, eq. 4): the importance weight
+    is clipped and detached, ``-sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t log pi(y_t)``,
+    so every token keeps its gradient; token ratios, GAE advantages."""
+
+    variant: Literal["cispo"] = "cispo"
+    """Selects this variant (``cispo``)."""
+
+    clip_eps_low: float = Field(1.0, gt=0.0, le=1.0)
+    """Lower truncation of the weight at ``1 - clip_eps_low``; 1 = none (the paper sets no
+    lower bound; verl's CISPO example likewise)."""
+
+    clip_eps_high: float = Field(0.2, gt=0.0, le=10.0)
+    """Upper truncation of the weight at ``1 + clip_eps_high`` (verl's CISPO example: 0.2;
+    the paper tunes it and gives no value)."""
+
+    clip_ratio_c: None = None
+    """The dual clip does not apply to CISPO (no token loses its gradient)."""
+
+
 class GRPOConfig(_AlgorithmBase, _GroupFields):
     """GRPO: token ratios, group-relative outcome advantages, no critic."""
 
@@ -210,16 +352,25 @@ class SOGRPOConfig(_AlgorithmBase, _GroupFields, _TurnFields, _BiasCorrectionFie
 
 
 AlgorithmConfig = Annotated[
-    PPOConfig | TurnPPOConfig | SPPOConfig | STPPOConfig | GRPOConfig | SOGRPOConfig,
+    PPOConfig
+    | TurnPPOConfig
+    | SPPOConfig
+    | STPPOConfig
+    | GSPOConfig
+    | CISPOConfig
+    | GRPOConfig
+    | SOGRPOConfig,
     Field(discriminator="variant"),
 ]
-"""One of the six variants, chosen by ``variant`` (default ``st_ppo`` in RunConfig)."""
+"""One of the eight variants, chosen by ``variant`` (default ``st_ppo`` in RunConfig)."""
 
 VARIANT_CONFIGS: dict[str, type[StrictModel]] = {
     "ppo": PPOConfig,
     "turn_ppo": TurnPPOConfig,
     "s_ppo": SPPOConfig,
     "st_ppo": STPPOConfig,
+    "gspo": GSPOConfig,
+    "cispo": CISPOConfig,
     "grpo": GRPOConfig,
     "so_grpo": SOGRPOConfig,
 }
@@ -234,6 +385,19 @@ def uses_critic(algorithm: BaseModel) -> bool:
 def uses_turn_ratio(algorithm: BaseModel) -> bool:
     """True for variants that use turn-level (geometric-mean) importance ratios."""
     return isinstance(algorithm, _TurnFields)
+
+
+def ratio_level(algorithm: BaseModel) -> Literal["token", "turn", "sequence"]:
+    """The importance-ratio level of a variant: ``sequence`` (gspo), ``turn`` (turn_ppo,
+    st_ppo, so_grpo) or ``token`` (the rest)."""
+    if isinstance(algorithm, GSPOConfig):
+        return "sequence"
+    return "turn" if uses_turn_ratio(algorithm) else "token"
+
+
+def policy_objective(algorithm: BaseModel) -> Literal["clip", "cispo"]:
+    """``cispo`` for the CISPO variant, else PPO's clipped surrogate (``clip``)."""
+    return "cispo" if isinstance(algorithm, CISPOConfig) else "clip"
 
 
 def uses_bias_correction(algorithm: BaseModel) -> bool:

@@ -26,7 +26,8 @@ above hold bit for bit; the run config chooses the defaults):
 - dual clip ``c`` (Ye et al. 2020, verl ``clip_ratio_c``): for A_t < 0 the per-token loss is
   capped at ``-c A_t``, so a ratio above ``c`` carries no gradient; those tokens join Clip.
 - behaviour weights ``b_t`` (decoupled PPO, AReaL): the ratio is taken against a proximal
-  policy and ``b_t = pi_prox / pi_behaviour`` (truncated) multiplies each token's weight:
+  policy and ``b_t``, a correction of ``pi_prox / pi_behaviour`` (truncated or masked:
+  :mod:`learner.corrections`), multiplies each token's weight:
   ``w_t <- w_t b_t`` in the loss and in C. ``w_t`` are the aggregation weights:
 ``m_t / N`` for ``token-mean`` and ``m_t / (n_i S)`` for ``seq-mean-token-mean`` (n_i masked
 tokens of sequence i, S sequences). The same weights define the loss and the clipped-token
@@ -48,12 +49,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-RatioLevel = Literal["token", "turn"]
+RatioLevel = Literal["token", "turn", "sequence"]
+SegmentGradient = Literal["mean", "token"]
+PolicyObjective = Literal["clip", "cispo"]
 TurnAdvantage = Literal["token", "turn_mean"]
 NormalizeMode = Literal["triggered", "divide"]
 LossAggMode = Literal["token-mean", "seq-mean-token-mean"]
 KLEstimator = Literal["k1", "k3", "low_var_kl"]
-BehaviorWeightMode = Literal["truncate", "drop"]
 
 LOG_RATIO_CLAMP = 20.0
 """|log ratio| bound applied before ``exp`` (token or turn level), so a very stale token gives
@@ -66,7 +68,9 @@ LOW_VAR_KL_BOUND = 10.0
 DEFAULT_TAU = 0.01
 """Default threshold of the ``triggered`` clipping-bias scale (see :func:`clip_bias_scale`)."""
 
-_RATIO_LEVELS = ("token", "turn")
+_RATIO_LEVELS = ("token", "turn", "sequence")
+_SEGMENT_GRADIENTS = ("mean", "token")
+_OBJECTIVES = ("clip", "cispo")
 _TURN_ADVANTAGES = ("token", "turn_mean")
 _NORMALIZE_MODES = ("triggered", "divide")
 _LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
@@ -124,6 +128,9 @@ class ImportanceRatios:
         segment_sizes: float [B*T + 1]. Masked tokens per segment (|T_k|); sink entry 0.
         token_bounded: bool [B, T]. Masked tokens whose log-ratio the token bound replaced
             (they carry no gradient); all False without a bound.
+        per_token_gradient: True when a segment ratio's gradient reaches each token as
+            ``ratio * grad log pi(y_t)`` (``segment_gradient="token"``, GSPO-token) rather
+            than through the segment mean.
     """
 
     log_ratio: Tensor
@@ -131,6 +138,7 @@ class ImportanceRatios:
     segment_ids: Tensor
     segment_sizes: Tensor
     token_bounded: Tensor
+    per_token_gradient: bool = False
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -177,6 +185,7 @@ def _check_policy_inputs(
     turn_ids: Tensor,
     clip_eps_low: float,
     clip_eps_high: float,
+    objective: PolicyObjective = "clip",
 ) -> None:
     """Shape/dtype/value checks of the policy-loss inputs; raises ValueError naming the problem."""
     if logprobs.dim() != 2:
@@ -194,8 +203,11 @@ def _check_policy_inputs(
             )
     if turn_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"turn_ids must be int64 (or int32), got {turn_ids.dtype}")
-    if not 0.0 < clip_eps_low < 1.0:
+    _check_mode("objective", objective, _OBJECTIVES)
+    if objective == "clip" and not 0.0 < clip_eps_low < 1.0:
         raise ValueError(f"clip_eps_low must be in (0, 1), got {clip_eps_low}")
+    if objective == "cispo" and not clip_eps_low > 0.0:
+        raise ValueError(f"clip_eps_low must be > 0 (>= 1: no lower bound), got {clip_eps_low}")
     if clip_eps_high <= 0.0:
         raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
     policy = loss_mask != 0
@@ -276,11 +288,20 @@ def importance_log_ratios(
     ratio_level: RatioLevel,
     token_log_ratio_bound: float | None = None,
     bound_direction: Tensor | None = None,
+    segment_gradient: SegmentGradient = "mean",
 ) -> ImportanceRatios:
-    """Token (``r_t``) or turn-level geometric-mean (``rho_k``) log importance ratios.
+    """Token (``r_t``), turn-level (``rho_k``) or sequence-level (``s_i``) log ratios.
 
     Spec section 2: ``log rho_k = (1/|T_k|) sum_{t in T_k} logr_t``; the gradient flows
     through rho_k (no stop-gradient), so each token of the turn receives 1/|T_k| of it.
+    ``"sequence"`` is the turn ratio with one turn per sequence (every policy token of a
+    row in turn 0): GSPO's ``s_i = exp(mean_t logr_t)`` (Zheng et al. 2025, "Group Sequence
+    Policy Optimization", arXiv 2507.18071, eq. 7).
+    ``segment_gradient="token"`` is GSPO-token's form (eq. 13; verl
+    ``compute_policy_loss_gspo``): ``log s_{i,t} = sg(log s_i) + logr_t - sg(logr_t)``, the
+    same value with the gradient ``s_i grad log pi(y_t)`` at each token, so per-token
+    advantages each weigh their own token. With one advantage per segment both forms give
+    the same gradient.
     With ``token_log_ratio_bound = delta`` (spec section 6, GMPO) each token's log-ratio is
     first bounded in the direction of ``bound_direction``: ``min(logr_t, delta)`` where it
     is > 0, ``max(logr_t, -delta)`` where it is < 0, unchanged where it is 0.
@@ -291,19 +312,26 @@ def importance_log_ratios(
             differentiated.
         loss_mask: [B, T]. 1 on policy tokens.
         turn_ids: int [B, T]. Turn index, -1 outside turns.
-        ratio_level: ``"token"`` or ``"turn"``.
+        ratio_level: ``"token"``, ``"turn"`` or ``"sequence"``.
         token_log_ratio_bound: delta > 0 in nats, or ``None`` (no bound: today's ratios
             bit for bit).
         bound_direction: float [B, T], the advantage whose sign picks the bounded side
             (required with a bound).
+        segment_gradient: ``"mean"`` (through the segment mean) or ``"token"``
+            (GSPO-token); ignored at token level.
 
     Returns:
-        :class:`ImportanceRatios`, in float32 (float64 if ``logprobs`` is float64).
+        :class:`ImportanceRatios`, in float32 (float64 if ``logprobs`` is float64). At
+        sequence level ``segment_ids`` name sequences.
 
     Raises:
-        ValueError: unknown level, a bound that is not > 0, or a bound without a direction.
+        ValueError: unknown level or gradient form, a bound that is not > 0, or a bound
+            without a direction.
     """
     _check_mode("ratio_level", ratio_level, _RATIO_LEVELS)
+    _check_mode("segment_gradient", segment_gradient, _SEGMENT_GRADIENTS)
+    if ratio_level == "sequence":
+        turn_ids = sequence_turn_ids(loss_mask)
     dtype = _compute_dtype(logprobs)
     mask = (loss_mask != 0).to(dtype)
     # where(), not multiplication: off-mask log-probs may be -inf or garbage.
@@ -316,19 +344,36 @@ def importance_log_ratios(
     segment_ids = segment_ids_from_turns(turn_ids, loss_mask)
     num_segments = logprobs.numel() + 1
     segment_sizes = segment_sum(mask.reshape(-1), segment_ids, num_segments)
+    per_token_gradient = ratio_level != "token" and segment_gradient == "token"
     if ratio_level == "token":
         log_ratio = bounded_log_ratio
     else:
         log_ratio = (
             segment_broadcast_mean(bounded_log_ratio, mask, segment_ids, num_segments) * mask
         )
+        if per_token_gradient:
+            log_ratio = log_ratio.detach() + (bounded_log_ratio - bounded_log_ratio.detach())
     return ImportanceRatios(
         log_ratio=log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
         token_log_ratio=token_log_ratio,
         segment_ids=segment_ids,
         segment_sizes=segment_sizes,
         token_bounded=token_bounded,
+        per_token_gradient=per_token_gradient,
     )
+
+
+def sequence_turn_ids(loss_mask: Tensor) -> Tensor:
+    """Turn ids with one turn per sequence: 0 on every policy token, -1 elsewhere.
+
+    Args:
+        loss_mask: [B, T].
+
+    Returns:
+        int64 [B, T].
+    """
+    zeros = torch.zeros(loss_mask.shape, dtype=torch.int64, device=loss_mask.device)
+    return torch.where(loss_mask != 0, zeros, zeros - 1)
 
 
 def _bound_token_log_ratio(
@@ -435,19 +480,27 @@ def clipped_token_mask(
     clip_eps_low: float,
     clip_eps_high: float,
     clip_ratio_c: float | None = None,
+    objective: PolicyObjective = "clip",
 ) -> ClipSet:
     """Where the clipped branch of the PPO min (or the dual clip) is active: those tokens
-    carry no gradient.
+    carry no gradient. With ``objective="cispo"``: where CISPO's weight is truncated (the
+    ratio outside ``[1 - eps_low, 1 + eps_high]``, whatever the advantage's sign); those
+    tokens keep a gradient, scaled by the bound.
 
     Args:
         ratio: float [B, T] (r_t or rho_k per token). advantages: float [B, T].
         loss_mask: [B, T]. clip_eps_low, clip_eps_high: the clip range.
         clip_ratio_c: dual-clip bound (> 1 + clip_eps_high) or ``None``.
+        objective: ``"clip"`` (PPO) or ``"cispo"``.
 
     Returns:
-        :class:`ClipSet`. Tokens with A = 0 are never clipped.
+        :class:`ClipSet`. With ``"clip"``, tokens with A = 0 are never clipped.
     """
     policy = loss_mask != 0
+    if objective == "cispo":
+        high = policy & (ratio > 1.0 + clip_eps_high)
+        low = policy & (ratio < 1.0 - clip_eps_low)
+        return ClipSet(high=high, low=low, dual=torch.zeros_like(high))
     high = policy & (advantages > 0) & (ratio > 1.0 + clip_eps_high)
     low = policy & (advantages < 0) & (ratio < 1.0 - clip_eps_low)
     if clip_ratio_c is None:
@@ -470,8 +523,8 @@ def _clip_bias_logprob_grad_from_parts(
 ) -> Tensor:
     """Closed form of :func:`clip_bias_logprob_grad` from already computed parts.
 
-    ``S = sum_{t in Clip} w_t ratio_t A_t``. Token level: ``dS/dlogp_t = w_t r_t A_t 1[t in
-    Clip]``. Turn level (``d rho_k / d logp_s = rho_k / |T_k|`` for s in T_k):
+    ``S = sum_{t in Clip} w_t ratio_t A_t``. Token level (and segment ratios with the
+    GSPO-token gradient): ``dS/dlogp_t = w_t ratio_t A_t 1[t in Clip]``. Turn level (``d rho_k / d logp_s = rho_k / |T_k|`` for s in T_k):
     ``dS/dlogp_s = (sum_{t in T_k cap Clip} w_t rho_k A_t) / |T_k|``; with token-mean weights
     that is the spec's ``(1/N) rho_k (sum of A over clipped tokens of turn k) / |T_k|``.
     Tokens whose log ratio hit ``LOG_RATIO_CLAMP`` get no gradient (as with autograd).
@@ -490,7 +543,7 @@ def _clip_bias_logprob_grad_from_parts(
         free = (~ratios.token_bounded).to(log_ratio.dtype)  # bounded tokens: no gradient
         per_token = weights * clipped.to(log_ratio.dtype) * torch.exp(log_ratio) * advantages
         per_token = per_token * in_range
-        if ratio_level == "token":
+        if ratio_level == "token" or ratios.per_token_gradient:
             return per_token * free
         num_segments = per_token.numel() + 1
         turn_sum = segment_sum(per_token.reshape(-1), ratios.segment_ids, num_segments)
@@ -560,6 +613,14 @@ class _SurrogateParts:
     advantages: Tensor
     weights: Tensor
     clip: ClipSet
+    objective: PolicyObjective = "clip"
+
+    def gradient_removed(self) -> Tensor:
+        """bool [B, T]: tokens whose gradient the clip removes, the set behind C. CISPO
+        truncates a weight but keeps every token's gradient: none."""
+        if self.objective == "cispo":
+            return torch.zeros_like(self.clip.high)
+        return self.clip.any_side()
 
 
 def _surrogate_parts(
@@ -578,10 +639,21 @@ def _surrogate_parts(
     token_log_ratio_bound: float | None,
     clip_ratio_c: float | None,
     behavior_weights: Tensor | None,
+    segment_gradient: SegmentGradient,
+    objective: PolicyObjective,
 ) -> _SurrogateParts:
     _check_policy_inputs(
-        logprobs, old_logprobs, advantages, loss_mask, turn_ids, clip_eps_low, clip_eps_high
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        turn_ids,
+        clip_eps_low,
+        clip_eps_high,
+        objective,
     )
+    if ratio_level == "sequence":
+        turn_ids = sequence_turn_ids(loss_mask)
     if clip_ratio_c is not None and not clip_ratio_c > 1.0 + clip_eps_high:
         raise ValueError(
             f"clip_ratio_c must be > 1 + clip_eps_high = {1.0 + clip_eps_high}, got {clip_ratio_c}"
@@ -611,6 +683,7 @@ def _surrogate_parts(
         ratio_level=ratio_level,
         token_log_ratio_bound=token_log_ratio_bound,
         bound_direction=direction,
+        segment_gradient=segment_gradient,
     )
     ratio = torch.exp(ratios.log_ratio)
     clip_set = clipped_token_mask(
@@ -620,6 +693,7 @@ def _surrogate_parts(
         clip_eps_low=clip_eps_low,
         clip_eps_high=clip_eps_high,
         clip_ratio_c=clip_ratio_c,
+        objective=objective,
     )
     weights = aggregation_weights(
         loss_mask, loss_agg_mode=loss_agg_mode, agg_denominator=agg_denominator, dtype=dtype
@@ -628,7 +702,7 @@ def _surrogate_parts(
         weights = weights * torch.where(
             loss_mask != 0, behavior_weights.detach().to(dtype), torch.zeros_like(weights)
         )
-    return _SurrogateParts(ratios, ratio, adv, weights, clip_set)
+    return _SurrogateParts(ratios, ratio, adv, weights, clip_set, objective)
 
 
 def clip_bias_surrogate(
@@ -647,6 +721,8 @@ def clip_bias_surrogate(
     token_log_ratio_bound: float | None = None,
     clip_ratio_c: float | None = None,
     behavior_weights: Tensor | None = None,
+    segment_gradient: SegmentGradient = "mean",
+    objective: PolicyObjective = "clip",
 ) -> Tensor:
     """The clipped-token surrogate ``S = sum_{t in Clip} w_t ratio_t A_t`` (differentiable).
 
@@ -681,8 +757,10 @@ def clip_bias_surrogate(
         token_log_ratio_bound=token_log_ratio_bound,
         clip_ratio_c=clip_ratio_c,
         behavior_weights=behavior_weights,
+        segment_gradient=segment_gradient,
+        objective=objective,
     )
-    clipped = parts.clip.any_side().to(parts.ratio.dtype)
+    clipped = parts.gradient_removed().to(parts.ratio.dtype)
     return (parts.weights * clipped * parts.ratio * parts.advantages).sum()
 
 
@@ -702,6 +780,8 @@ def clip_bias_logprob_grad(
     token_log_ratio_bound: float | None = None,
     clip_ratio_c: float | None = None,
     behavior_weights: Tensor | None = None,
+    segment_gradient: SegmentGradient = "mean",
+    objective: PolicyObjective = "clip",
 ) -> Tensor:
     """The clipping bias C under ``bias_norm: logprob``, per token, in closed form.
 
@@ -736,11 +816,13 @@ def clip_bias_logprob_grad(
         token_log_ratio_bound=token_log_ratio_bound,
         clip_ratio_c=clip_ratio_c,
         behavior_weights=behavior_weights,
+        segment_gradient=segment_gradient,
+        objective=objective,
     )
     return _clip_bias_logprob_grad_from_parts(
         parts.ratios,
         parts.advantages,
-        parts.clip.any_side(),
+        parts.gradient_removed(),
         parts.weights,
         ratio_level=ratio_level,
     )
@@ -767,15 +849,28 @@ def compute_policy_loss(
     token_log_ratio_bound: float | None = None,
     clip_ratio_c: float | None = None,
     behavior_weights: Tensor | None = None,
+    segment_gradient: SegmentGradient = "mean",
+    objective: PolicyObjective = "clip",
 ) -> PolicyLossOutput:
-    """Clipped PPO surrogate with token or turn ratios and the clipping-bias scale.
+    """Clipped PPO surrogate (or CISPO) with token, turn or sequence ratios and the
+    clipping-bias scale.
 
-    Covers all six variants (spec section 2 table): ``ratio_level="token"`` for ppo, s_ppo,
-    grpo; ``"turn"`` for turn_ppo, st_ppo, so_grpo; ``bias_correction=True`` for s_ppo,
-    st_ppo, so_grpo. ``||C||`` is always computed and logged (the paper's diagnostic); it
-    scales the loss only with ``bias_correction``. The stabilisers of spec section 6 (token
-    bound, dual clip, behaviour weights; module docstring) are off by default, and with
-    them off the loss is bit-identical to the section 2 objective.
+    Covers every variant (spec section 2 table): ``ratio_level="token"`` for ppo, s_ppo,
+    grpo and cispo; ``"turn"`` for turn_ppo, st_ppo, so_grpo; ``"sequence"`` with
+    ``segment_gradient="token"`` for gspo; ``bias_correction=True`` for s_ppo, st_ppo,
+    so_grpo. ``||C||`` is always computed and logged (the paper's diagnostic); it scales the
+    loss only with ``bias_correction``. The stabilisers of spec section 6 (token bound, dual
+    clip, behaviour weights; module docstring) are off by default, and with them off the
+    loss is bit-identical to the section 2 objective.
+
+    ``objective="cispo"`` (Chen et al. 2025, "MiniMax-M1", arXiv 2506.13585, eq. 4; verl
+    ``compute_policy_loss_cispo``): the per-token loss is
+    ``-sg(clip(ratio_t, 1 - eps_low, 1 + eps_high)) A_t log pi_theta(y_t)``: the importance
+    weight is truncated and detached, and every token keeps its gradient through its
+    log-prob (``eps_low >= 1``: no lower bound, the paper's choice). Its value is not a PPO
+    surrogate (it is positive for A > 0); its gradient is ``-w_t sg(clip(ratio_t)) A_t grad
+    log pi``. No token loses its gradient, so ``C = 0``; ``clip_ratio`` counts the
+    truncated weights. The dual clip does not apply to it.
 
     Args:
         logprobs: float [B, T]. Learner log-probs of the taken tokens (requires grad).
@@ -803,7 +898,10 @@ def compute_policy_loss(
             ignored with ``ratio_level="token"``.
         clip_ratio_c: dual-clip bound (> 1 + clip_eps_high), or ``None``.
         behavior_weights: float [B, T] ``b_t`` (decoupled PPO, see
-            :func:`behavior_importance_weights`), or ``None`` (all 1).
+            :func:`learner.corrections.rollout_correction`), or ``None`` (all 1).
+        segment_gradient: ``"mean"`` or ``"token"`` (GSPO-token), see
+            :func:`importance_log_ratios`.
+        objective: ``"clip"`` (PPO's clipped surrogate) or ``"cispo"``.
 
     Returns:
         :class:`PolicyLossOutput`: ``loss = s * L_base`` and detached metrics.
@@ -833,21 +931,28 @@ def compute_policy_loss(
         token_log_ratio_bound=token_log_ratio_bound,
         clip_ratio_c=clip_ratio_c,
         behavior_weights=behavior_weights,
+        segment_gradient=segment_gradient,
+        objective=objective,
     )
     ratio, adv = parts.ratio, parts.advantages
-    clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    per_token_loss = torch.maximum(-adv * ratio, -adv * clipped_ratio)
-    if clip_ratio_c is not None:
-        # dual clip (verl): for A < 0 the loss is capped at -c A, so ratio > c has no grad
-        per_token_loss = torch.where(
-            adv < 0, torch.minimum(per_token_loss, -adv * clip_ratio_c), per_token_loss
+    if objective == "cispo":
+        per_token_loss = _cispo_token_loss(
+            logprobs, ratio, adv, loss_mask, clip_eps_low, clip_eps_high
         )
+    else:
+        clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+        per_token_loss = torch.maximum(-adv * ratio, -adv * clipped_ratio)
+        if clip_ratio_c is not None:
+            # dual clip (verl): for A < 0 the loss is capped at -c A, so ratio > c has no grad
+            per_token_loss = torch.where(
+                adv < 0, torch.minimum(per_token_loss, -adv * clip_ratio_c), per_token_loss
+            )
     pg_loss = (parts.weights * per_token_loss).sum()
 
     clipped = parts.clip.any_side()
     if clip_bias_norm is None:
         grad = _clip_bias_logprob_grad_from_parts(
-            parts.ratios, adv, clipped, parts.weights, ratio_level=ratio_level
+            parts.ratios, adv, parts.gradient_removed(), parts.weights, ratio_level=ratio_level
         )
         norm_sq = grad.square().sum()
         norm = norm_sq.sqrt()
@@ -863,6 +968,23 @@ def compute_policy_loss(
     loss = scale * pg_loss
     metrics = _policy_metrics(parts, clipped, pg_loss, norm, norm_sq, scale)
     return PolicyLossOutput(loss=loss, metrics=metrics)
+
+
+def _cispo_token_loss(
+    logprobs: Tensor,
+    ratio: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float,
+) -> Tensor:
+    """CISPO's per-token loss ``-sg(clip(ratio, 1 - eps_low, 1 + eps_high)) A log pi`` [B, T],
+    0 off the mask (where log-probs may be -inf)."""
+    low = max(1.0 - clip_eps_low, 0.0)
+    weight = torch.clamp(ratio.detach(), low, 1.0 + clip_eps_high)
+    logp = logprobs.to(ratio.dtype)
+    logp = torch.where(loss_mask != 0, logp, torch.zeros_like(logp))
+    return -weight * advantages * logp
 
 
 def _policy_metrics(
@@ -907,85 +1029,6 @@ def _policy_metrics(
             "num_tokens": maskf.sum(),
             "num_turns": num_turns,
         }
-
-
-# --------------------------------------------------------------------------- off-policy weights
-
-
-@dataclass
-class BehaviorWeights:
-    """Result of :func:`behavior_importance_weights`.
-
-    Attributes:
-        weights: float [B, T], detached: ``b_t``, 0 off the mask and on dropped tokens.
-        metrics: detached 0-dim tensors: ``behavior_weight_mean`` (of the raw weight over
-            masked tokens), ``behavior_weight_max``, ``behavior_weight_capped`` (fraction of
-            masked tokens above the cap, truncated or dropped).
-    """
-
-    weights: Tensor
-    metrics: dict[str, Tensor]
-
-
-def behavior_importance_weights(
-    proximal_logprobs: Tensor,
-    behavior_logprobs: Tensor,
-    loss_mask: Tensor,
-    turn_ids: Tensor,
-    *,
-    level: RatioLevel,
-    cap: float,
-    mode: BehaviorWeightMode = "truncate",
-) -> BehaviorWeights:
-    """Behaviour importance weights of decoupled PPO (spec section 6; AReaL, Fu et al. 2025,
-    "AReaL: a large-scale asynchronous RL system", decoupled objective).
-
-    ``b_t = pi_prox(y_t) / pi_behaviour(y_t)`` per token (``level="token"``) or the turn's
-    geometric mean ``exp(mean_{t in T_k} log b_t)`` broadcast to its tokens (``"turn"``).
-    Above ``cap`` the weight is truncated to ``cap`` (``"truncate"``, truncated IS) or the
-    token (turn) is dropped, weight 0 (``"drop"``, AReaL's behaviour mask). With staleness 0
-    and matching engines every weight is 1 and decoupled PPO is PPO.
-
-    Args:
-        proximal_logprobs: float [B, T]. Log-probs of the proximal policy (the learner's
-            weights at the start of this step, recomputed).
-        behavior_logprobs: float [B, T]. Log-probs the engine recorded when sampling.
-        loss_mask: [B, T]. turn_ids: int [B, T] (as :func:`compute_policy_loss`).
-        level: ``"token"`` or ``"turn"``.
-        cap: > 1, the largest weight kept.
-        mode: ``"truncate"`` or ``"drop"``.
-
-    Returns:
-        :class:`BehaviorWeights`.
-
-    Raises:
-        ValueError: mismatched shapes, ``cap <= 1`` or an unknown mode/level.
-    """
-    with torch.no_grad():
-        if proximal_logprobs.shape != behavior_logprobs.shape:
-            raise ValueError(
-                f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != "
-                f"proximal_logprobs shape {tuple(proximal_logprobs.shape)}"
-            )
-        if not cap > 1.0:
-            raise ValueError(f"behavior weight cap must be > 1, got {cap}")
-        _check_mode("mode", mode, ("truncate", "drop"))
-        ratios = importance_log_ratios(
-            proximal_logprobs, behavior_logprobs, loss_mask, turn_ids, ratio_level=level
-        )
-        maskf = (loss_mask != 0).to(ratios.log_ratio.dtype)
-        raw = torch.exp(ratios.log_ratio) * maskf
-        above = (raw > cap) & (maskf > 0)
-        if mode == "truncate":
-            weights = raw.clamp(max=cap)
-        else:
-            weights = torch.where(above, torch.zeros_like(raw), raw)
-        metrics = {
-            "behavior_weight_mean": masked_mean(raw, maskf),
-            "behavior_weight_max": raw.max(),
-            "behavior_weight_capped": masked_mean(above.to(raw.dtype), maskf),
-        }
-        return BehaviorWeights(weights=weights * maskf, metrics=metrics)
 
 
 # --------------------------------------------------------------------------- value, KL, entropy

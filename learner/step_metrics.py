@@ -54,9 +54,20 @@ class StepMetrics(Mapping):
         token_bound_ratio: fraction of policy tokens the token log-ratio bound replaced.
         token_log_ratio_abs_max: largest |log pi_theta - log pi_old| of a policy token over
             the step's micro-batches (nats), bounded or not.
-        behavior_weight_mean, behavior_weight_max, behavior_weight_capped: decoupled PPO's
-            raw behaviour weights pi_prox / pi_behaviour (mean, max, fraction above the
-            cap); NaN with ``off_policy = behavior``.
+        behavior_weight_mean, behavior_weight_max, behavior_weight_capped: the decoupled
+            objective's raw importance weights at ``rollout_correction.is_level`` (mean, max,
+            fraction of policy tokens the cap truncated: TIS); NaN with ``off_policy =
+            behavior``.
+        behavior_masked: fraction of policy tokens the rollout-correction mask dropped
+            (MIS, Geo-RS, IcePop); NaN with ``off_policy = behavior``.
+        m2po_masked: fraction of policy tokens M2PO's second-moment mask dropped (NaN
+            without ``m2po_threshold``).
+        behavior_log_ratio_abs_mean: mean ``|log pi_prox - log pi_behaviour|`` per policy
+            token (nats); NaN with ``off_policy = behavior``.
+        proximal_approx_abs_error: mean ``|log pi_prox - approximation|`` over the policy
+            tokens of every optimizer step (nats) of the log-linear proximal approximation
+            (:func:`learner.corrections.loglinear_proximal_logprobs`), measured against the
+            recomputed proximal log-probs; NaN where they are not recomputed.
         clip_bias_norm, clip_bias_scale: ||C|| and s, one per optimizer step, averaged.
         skipped_steps: policy optimizer steps skipped in this step (non-finite loss or
             gradient norm); ``critic_skipped_steps`` likewise; ``nonfinite_steps_total``:
@@ -98,6 +109,10 @@ class StepMetrics(Mapping):
     behavior_weight_mean: float
     behavior_weight_max: float
     behavior_weight_capped: float
+    behavior_masked: float
+    m2po_masked: float
+    behavior_log_ratio_abs_mean: float
+    proximal_approx_abs_error: float
     reward_mean: float
     success_rate: float
     num_turns_mean: float
@@ -176,6 +191,28 @@ class StepAccumulator:
     gap_replicated: bool = False
     behavior: dict[str, float] = field(default_factory=dict)
     token_log_ratio_abs_max: float = 0.0
+    token_means: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    """Optional token-weighted means, ``name -> [sum of value * tokens, tokens]`` (the
+    behaviour weights of the log-linear proximal, measured per micro-batch; the proximal
+    approximation's error); a name never added reads as NaN."""
+    behavior_max: float = -math.inf
+    updates_per_version: int = 1
+    """Optimizer steps of this learner step (mini-batches x epochs): the log-linear
+    proximal's time unit (:func:`learner.corrections.loglinear_proximal_alpha`)."""
+
+    def add_token_mean(self, name: str, value: float, num_tokens: float) -> None:
+        """Add one micro-batch's masked mean ``value`` over ``num_tokens`` tokens to the
+        token-weighted mean ``name`` (:attr:`token_means`)."""
+        sums = self.token_means[name]
+        if not sums:
+            sums.extend([0.0, 0.0])
+        sums[0] += value * num_tokens
+        sums[1] += num_tokens
+
+    def token_mean(self, name: str) -> float:
+        """The step's token-weighted mean of ``name``; NaN when never added."""
+        sums = self.token_means.get(name)
+        return sums[0] / sums[1] if sums and sums[1] > 0 else math.nan
 
     def add_micro(self, metrics: Mapping[str, float], num_tokens: float, num_turns: float) -> None:
         """Token-weighted sums of one micro-batch's masked-mean metrics (turn-weighted for
@@ -205,9 +242,14 @@ class StepAccumulator:
             i += k
         if not self.gap_replicated:
             self.gap_sum, self.gap_count = sums[i], sums[i + 1]
-        (self.token_log_ratio_abs_max,) = all_reduce_floats(
-            [self.token_log_ratio_abs_max], world_size, "max"
+        (self.token_log_ratio_abs_max, self.behavior_max) = all_reduce_floats(
+            [self.token_log_ratio_abs_max, self.behavior_max], world_size, "max"
         )
+        # every rank adds the same names (one config, one plan of optimizer steps)
+        names = sorted(self.token_means)
+        flat = all_reduce_floats([v for n in names for v in self.token_means[n]], world_size, "sum")
+        for i, n in enumerate(names):
+            self.token_means[n] = flat[2 * i : 2 * i + 2]
 
     def mean(self, name: str, default: float = 0.0) -> float:
         if name in _PER_UPDATE_METRICS:
@@ -270,6 +312,10 @@ def step_metrics(
     def mean_or_nan(values: list[float]) -> float:
         return float(sum(values) / len(values)) if values else float("nan")
 
+    def behavior(name: str) -> float:
+        """Measured once over the batch (recomputed proximal) or per micro-batch (log-linear)."""
+        return acc.behavior.get(name, acc.token_mean(name))
+
     return StepMetrics(
         policy_version=policy_version,
         global_step=global_step,
@@ -296,9 +342,15 @@ def step_metrics(
         clip_ratio_dual=acc.mean("clip_ratio_dual"),
         token_bound_ratio=acc.mean("token_bound_ratio"),
         token_log_ratio_abs_max=acc.token_log_ratio_abs_max,
-        behavior_weight_mean=acc.behavior.get("behavior_weight_mean", math.nan),
-        behavior_weight_max=acc.behavior.get("behavior_weight_max", math.nan),
-        behavior_weight_capped=acc.behavior.get("behavior_weight_capped", math.nan),
+        behavior_weight_mean=behavior("behavior_weight_mean"),
+        behavior_weight_max=acc.behavior.get(
+            "behavior_weight_max", acc.behavior_max if acc.behavior_max > -math.inf else math.nan
+        ),
+        behavior_weight_capped=behavior("behavior_weight_capped"),
+        behavior_masked=behavior("behavior_masked"),
+        m2po_masked=behavior("m2po_masked"),
+        behavior_log_ratio_abs_mean=behavior("behavior_log_ratio_abs_mean"),
+        proximal_approx_abs_error=acc.token_mean("proximal_approx_abs_error"),
         reward_mean=float(batch.rewards.mean()),
         success_rate=float(batch.success.mean()),
         num_turns_mean=float(batch.num_turns.mean()),

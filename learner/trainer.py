@@ -18,7 +18,9 @@ One :meth:`Learner.step` (spec sections 2-4) is a sequence of named stages:
    variants) whose group has a single member; each drop is counted.
 2. collate into a :class:`learner.batch.TrainingBatch`.
 3. prepare (no grad): reference log-probs, old values (critic variants), the proximal
-   policy's log-probs and the truncated behaviour weights (``off_policy = decoupled``),
+   policy's log-probs and the behaviour weights of the rollout correction and M2PO
+   (``off_policy = decoupled``, :mod:`learner.corrections`; with ``proximal = loglinear``
+   the proximal log-probs and weights are approximated per micro-batch instead),
    token rewards (outcome reward on the last policy token, minus ``kl_coef * KL`` with
    ``kl_mode = in_reward``), advantages (GAE and optional whitening, or group-relative).
 4. optimise: ``ppo_epochs`` shuffled passes, mini-batches of ``mini_batch_size``
@@ -84,12 +86,15 @@ from torch import Tensor
 from actors.hardware import resolve_dtype
 from actors.trajectory import Trajectory
 from learner import advantages as adv_fns
-from learner import losses
+from learner import corrections, losses
 from learner.batch import TrainingBatch, collate_trajectories, token_budget_micro_batches
 from learner.checkpoint import CheckpointMixin
 from learner.config import (
     AlgorithmConfig,
+    GSPOConfig,
     LearnerConfig,
+    policy_objective,
+    ratio_level,
     uses_bias_correction,
     uses_critic,
     uses_turn_ratio,
@@ -433,13 +438,14 @@ class Learner(CheckpointMixin, SupervisedMixin):
     def _prepare(self, batch: TrainingBatch, algorithm: BaseModel, acc: StepAccumulator) -> None:
         width = batch.response_ids.shape[1]
         decoupled = algorithm.off_policy == "decoupled"
+        recompute = decoupled and algorithm.proximal == "recompute"
         outputs: dict[str, dict[int, Tensor]] = defaultdict(dict)
         for rows, real in self._micro_plan(batch, range(batch.batch_size)):
             micro = batch.select(rows).to(self.device)
             computed = {"ref": self._logprobs(self.reference_engine, micro)}
             if uses_critic(algorithm):
                 computed["values"] = self._values(micro)
-            if decoupled:
+            if recompute:
                 computed["proximal"] = self._logprobs(self.policy_engine, micro)
             if not real:
                 continue  # padding forward (keeps ZeRO-3's gathers in step); result unused
@@ -455,26 +461,111 @@ class Learner(CheckpointMixin, SupervisedMixin):
             return torch.stack([outputs[name][r] for r in range(batch.batch_size)])
 
         batch.ref_logprobs = stacked("ref")
-        if decoupled:
+        if recompute:
             batch.old_logprobs = stacked("proximal")
-            weights = losses.behavior_importance_weights(
-                batch.old_logprobs,
-                batch.behavior_logprobs,
-                batch.loss_mask,
-                batch.turn_ids,
-                level=algorithm.behavior_weight_level,
-                cap=algorithm.behavior_weight_cap,
-                mode=algorithm.behavior_weight_mode,
+            batch.behavior_weights, metrics = self._behavior_correction(
+                batch, batch.old_logprobs, algorithm
             )
-            batch.behavior_weights = weights.weights
-            acc.behavior = {name: _scalar(value) for name, value in weights.metrics.items()}
+            acc.behavior = {name: _scalar(value) for name, value in metrics.items()}
             self._record_logprob_gap(batch, batch.old_logprobs, acc)
             acc.gap_replicated = True  # the whole batch, identical on every rank
+        elif decoupled:  # proximal = loglinear: approximated per micro-batch in the loss
+            batch.old_logprobs = None
         else:
             batch.old_logprobs = batch.behavior_logprobs
         if uses_critic(algorithm):
             batch.old_values = stacked("values") * batch.loss_mask
         self._compute_advantages(batch, algorithm)
+
+    @staticmethod
+    def _behavior_correction(
+        batch: TrainingBatch, proximal_logprobs: Tensor, algorithm: BaseModel
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The decoupled objective's per-token weights [b, T] for ``batch`` (all of a
+        step's rows, or one micro-batch with the log-linear proximal) and their metrics:
+        the rollout correction (TIS / MIS / IcePop), then M2PO's mask."""
+        rc = algorithm.rollout_correction
+        out = corrections.rollout_correction(
+            proximal_logprobs,
+            batch.behavior_logprobs,
+            batch.loss_mask,
+            batch.turn_ids,
+            is_level=rc.is_level,
+            is_statistic=rc.is_statistic,
+            is_cap=rc.is_cap,
+            mask_level=rc.mask_level,
+            mask_statistic=rc.mask_statistic,
+            mask_low=rc.mask_low,
+            mask_high=float("inf") if rc.mask_high is None else rc.mask_high,
+        )
+        weights, metrics = out.weights, dict(out.metrics)
+        if algorithm.m2po_threshold is not None:
+            keep = corrections.m2po_keep_mask(
+                proximal_logprobs,
+                batch.behavior_logprobs,
+                batch.loss_mask,
+                threshold=algorithm.m2po_threshold,
+            )
+            weights = weights * keep.to(weights.dtype)
+            policy = batch.loss_mask != 0
+            metrics["m2po_masked"] = losses.masked_mean(
+                (policy & ~keep).to(weights.dtype), policy.to(weights.dtype)
+            )
+        return weights, metrics
+
+    def _proximal_alpha(self, micro: TrainingBatch, acc: StepAccumulator) -> Tensor:
+        """:func:`corrections.loglinear_proximal_alpha` of ``micro``'s tokens at this point
+        of the step (``acc.optimizer_steps`` updates done)."""
+        versions = micro.token_versions
+        if versions is None:  # one version per trajectory
+            versions = micro.policy_version_min.unsqueeze(1).expand_as(micro.loss_mask)
+        return corrections.loglinear_proximal_alpha(
+            versions.to(micro.loss_mask.device),
+            self.policy_version,
+            updates_done=acc.optimizer_steps,
+            updates_per_version=acc.updates_per_version,
+        )
+
+    def _micro_off_policy_inputs(
+        self,
+        micro: TrainingBatch,
+        current_logprobs: Tensor,
+        algorithm: BaseModel,
+        acc: StepAccumulator,
+        *,
+        record: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        """(the log-probs the ratio is taken against, the behaviour weights) of ``micro``.
+
+        Precomputed for the whole step except with ``proximal = loglinear``, where the
+        proximal log-probs are approximated from ``current_logprobs`` (detached) and the
+        weights computed on this micro-batch. With recomputed proximal log-probs the
+        approximation is computed anyway and its error recorded. ``record``: add the
+        metrics to ``acc`` (False for a pre-pass or a padding micro-batch).
+        """
+        if micro.old_logprobs is not None:
+            if record and algorithm.off_policy == "decoupled":
+                approx = corrections.loglinear_proximal_logprobs(
+                    micro.behavior_logprobs, current_logprobs, self._proximal_alpha(micro, acc)
+                )
+                error = losses.masked_mean((micro.old_logprobs - approx).abs(), micro.loss_mask)
+                acc.add_token_mean(
+                    "proximal_approx_abs_error", _scalar(error), _scalar(micro.loss_mask.sum())
+                )
+            return micro.old_logprobs, micro.behavior_weights
+        proximal = corrections.loglinear_proximal_logprobs(
+            micro.behavior_logprobs, current_logprobs, self._proximal_alpha(micro, acc)
+        )
+        weights, metrics = self._behavior_correction(micro, proximal, algorithm)
+        if not record:
+            return proximal, weights
+        tokens = _scalar(micro.loss_mask.sum())
+        for name, value in metrics.items():
+            if name == "behavior_weight_max":
+                acc.behavior_max = max(acc.behavior_max, _scalar(value))
+            else:
+                acc.add_token_mean(name, _scalar(value), tokens)
+        return proximal, weights
 
     def _record_logprob_gap(
         self, batch: TrainingBatch, learner_logprobs: Tensor, acc: StepAccumulator
@@ -545,7 +636,9 @@ class Learner(CheckpointMixin, SupervisedMixin):
         mask = batch.loss_mask
         kl = torch.zeros_like(mask)
         if algorithm.kl_mode == "in_reward" and algorithm.kl_coef > 0.0:
-            kl = losses.kl_penalty(batch.old_logprobs, batch.ref_logprobs, algorithm.kl_estimator)
+            # the log-linear proximal has no log-probs here: the behaviour policy's stand in
+            old = batch.behavior_logprobs if batch.old_logprobs is None else batch.old_logprobs
+            kl = losses.kl_penalty(old, batch.ref_logprobs, algorithm.kl_estimator)
             kl = kl * mask
         if uses_critic(algorithm):
             token_rewards = torch.zeros_like(mask)
@@ -574,6 +667,8 @@ class Learner(CheckpointMixin, SupervisedMixin):
 
     def _optimize(self, batch: TrainingBatch, algorithm: BaseModel, acc: StepAccumulator) -> None:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.global_step)
+        mini_batches = -(-batch.batch_size // self.config.mini_batch_size)
+        acc.updates_per_version = mini_batches * self.config.ppo_epochs
         for epoch in range(self.config.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=generator)
             for start in range(0, batch.batch_size, self.config.mini_batch_size):
@@ -607,7 +702,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
         any_clipped = False
         if bias and (algorithm.bias_norm == "param" or algorithm.scale_target == "loss"):
             norm, any_clipped = self._mini_batch_clip_bias(
-                mini, plan, algorithm, denominator, kwargs
+                mini, plan, algorithm, denominator, kwargs, acc
             )
         loss_scale = 1.0
         if norm is not None and algorithm.scale_target == "loss":
@@ -715,16 +810,19 @@ class Learner(CheckpointMixin, SupervisedMixin):
         logprobs, entropy = stats.logprobs, stats.entropy
         del stats
         mask = micro.loss_mask
-        if on_policy and algorithm.off_policy == "behavior":
+        if on_policy and (algorithm.off_policy == "behavior" or micro.old_logprobs is None):
             self._record_logprob_gap(micro, logprobs.detach(), acc)
+        old_logprobs, behavior_weights = self._micro_off_policy_inputs(
+            micro, logprobs.detach(), algorithm, acc, record=weight != 0.0
+        )
         out = losses.compute_policy_loss(
             logprobs,
-            micro.old_logprobs,
+            old_logprobs,
             micro.advantages,
             mask,
             micro.turn_ids,
             agg_denominator=denominator,
-            behavior_weights=micro.behavior_weights,
+            behavior_weights=behavior_weights,
             **kwargs,
         )
         weights = losses.aggregation_weights(
@@ -752,13 +850,15 @@ class Learner(CheckpointMixin, SupervisedMixin):
         applied by the trainer, once per optimizer step)."""
         turn = uses_turn_ratio(algorithm)
         return {
-            "ratio_level": "turn" if turn else "token",
+            "ratio_level": ratio_level(algorithm),
             "clip_eps_low": algorithm.clip_eps_low,
             "clip_eps_high": algorithm.clip_eps_high,
             "turn_advantage": algorithm.turn_advantage if turn else "token",
             "loss_agg_mode": algorithm.loss_agg_mode,
             "token_log_ratio_bound": algorithm.token_log_ratio_bound,
             "clip_ratio_c": algorithm.clip_ratio_c,
+            "segment_gradient": "token" if isinstance(algorithm, GSPOConfig) else "mean",
+            "objective": policy_objective(algorithm),
         }
 
     def _mini_batch_clip_bias(
@@ -768,6 +868,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
         algorithm: BaseModel,
         denominator: float,
         kwargs: dict,
+        acc: StepAccumulator,
     ) -> tuple[Tensor, bool]:
         """(||C|| of the whole mini-batch, whether any token is clipped), before any backward.
 
@@ -802,7 +903,10 @@ class Learner(CheckpointMixin, SupervisedMixin):
                 continue
             with torch.no_grad():
                 logprobs = self._logprobs(self.policy_engine, micro)
-                out = losses.compute_policy_loss(logprobs, *inputs, **options)
+                old, options["behavior_weights"] = self._micro_off_policy_inputs(
+                    micro, logprobs, algorithm, acc, record=False
+                )
+                out = losses.compute_policy_loss(logprobs, old, *inputs[1:], **options)
             if not real:
                 continue
             norm_sq += out.metrics["clip_bias_norm_sq"].double().cpu()

@@ -51,8 +51,14 @@ LEARNER_STEP_METRICS: dict[str, str] = {
     "turns replaced (ratio 0..1).",
     "behavior_weight_mean": "Decoupled PPO: mean behaviour weight pi_prox / pi_behaviour "
     "before truncation (dimensionless; NaN with off_policy = behavior).",
-    "behavior_weight_capped": "Decoupled PPO: fraction of policy tokens whose behaviour "
-    "weight exceeded the cap (ratio 0..1).",
+    "behavior_weight_capped": "Decoupled PPO: fraction of policy tokens whose importance "
+    "weight the rollout correction's cap truncated (TIS; ratio 0..1).",
+    "behavior_masked": "Decoupled PPO: fraction of policy tokens the rollout correction's mask "
+    "dropped (MIS, Geo-RS, IcePop; ratio 0..1).",
+    "m2po_masked": "Fraction of policy tokens M2PO's second-moment mask dropped (ratio 0..1; "
+    "NaN without algorithm.m2po_threshold).",
+    "proximal_approx_abs_error": "Mean |log pi_prox - its log-linear approximation| over "
+    "policy tokens (nats per token; NaN where the proximal log-probs are not recomputed).",
     "entropy": "Mean token entropy of the current policy over masked tokens (nats per token).",
     "pg_loss": "Policy-gradient loss of the last learner step (dimensionless).",
     "value_loss": "Critic value loss of the last learner step (squared return units); "

@@ -57,13 +57,16 @@ def test_every_spec_metric_is_exported_with_prefix_and_units_in_help():
     for name in SPEC_SECTION_4 - {"staleness"}:
         assert f"stppo_{name}" in names, name
     assert {"stppo_staleness_bucket", "stppo_staleness_sum", "stppo_staleness_count"} <= names
-    # section 4, plus what the section 6 stabilisers report
+    # section 4, plus what the section 6 stabilisers and the section 7 corrections report
     section_6 = {
         "token_log_ratio_abs_max",
         "clip_ratio_dual",
         "token_bound_ratio",
         "behavior_weight_mean",
         "behavior_weight_capped",
+        "behavior_masked",
+        "m2po_masked",
+        "proximal_approx_abs_error",
     }
     assert set(LEARNER_STEP_METRICS) == (SPEC_SECTION_4 - {"staleness"}) | section_6
     registry = CollectorRegistry()

@@ -19,7 +19,8 @@ import torch
 from actors.trajectory import Trajectory
 from learner.batch import collate_trajectories
 from learner.buffer import StalenessBuffer, token_staleness_counts
-from learner.losses import behavior_importance_weights, compute_policy_loss
+from learner.corrections import rollout_correction
+from learner.losses import compute_policy_loss
 
 # one prompt token, then one turn of 4 policy tokens: tokens 0-1 sampled by version 3,
 # tokens 2-3 by version 4 (the update landed after the 2nd token), then 2 information
@@ -109,9 +110,9 @@ def test_decoupled_behavior_weights_over_two_versions_match_hand_reference():
     #   = -(1.10517 + 0.90484 + 1.34986 * 1.2 + 1.64872 * 1.2 + 1) / 5 = -1.32166
     batch, learner = batch_tensors()
     proximal = torch.tensor([PROXIMAL], dtype=torch.float64)
-    weights = behavior_importance_weights(
+    weights = rollout_correction(
         proximal, batch.behavior_logprobs.double(), batch.loss_mask, batch.turn_ids,
-        level="token", cap=5.0,
+        is_level="token", is_cap=5.0,
     )  # fmt: skip
     out = compute_policy_loss(
         learner, proximal, batch.loss_mask.double(), batch.loss_mask, batch.turn_ids,

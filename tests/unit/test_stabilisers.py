@@ -1,5 +1,5 @@
 """Stabilisers of spec section 6 on the loss functions: token bound inside turns, dual clip,
-decoupled PPO's behaviour weights, low_var_kl, and their config validation."""
+low_var_kl, and their config validation (the behaviour weights: tests/unit/test_corrections.py)."""
 
 from __future__ import annotations
 
@@ -100,86 +100,10 @@ def test_closed_form_clip_bias_equals_autograd_with_every_stabiliser(level):
     assert closed.abs().sum() > 0
 
 
-def test_behavior_weights_truncate_drop_and_turn_level():
-    prox = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
-    behaviour = torch.tensor([[0.0, -1.0, -0.1, 0.5]])  # weights 1, e, e^0.1, e^-0.5
-    mask, turn_ids = torch.ones(1, 4), torch.tensor([[0, 0, 1, 1]])
-    trunc = losses.behavior_importance_weights(
-        prox, behaviour, mask, turn_ids, level="token", cap=2.0
-    )
-    expected = torch.tensor([[1.0, 2.0, math.exp(0.1), math.exp(-0.5)]])
-    torch.testing.assert_close(trunc.weights, expected)
-    assert float(trunc.metrics["behavior_weight_capped"]) == 0.25
-    assert float(trunc.metrics["behavior_weight_max"]) == pytest.approx(math.e)
-    drop = losses.behavior_importance_weights(
-        prox, behaviour, mask, turn_ids, level="token", cap=2.0, mode="drop"
-    )
-    assert drop.weights[0, 1] == 0 and drop.weights[0, 0] == 1
-    turn = losses.behavior_importance_weights(
-        prox, behaviour, mask, turn_ids, level="turn", cap=2.0
-    )
-    # turn 0: exp(mean(0, 1)) = e^0.5; turn 1: exp(mean(0.1, -0.5)) = e^-0.2
-    torch.testing.assert_close(
-        turn.weights, torch.tensor([[math.exp(0.5)] * 2 + [math.exp(-0.2)] * 2])
-    )
-    with pytest.raises(ValueError, match="cap"):
-        losses.behavior_importance_weights(prox, behaviour, mask, turn_ids, level="token", cap=1.0)
-
-
-def test_behavior_weights_off_the_mask_at_the_cap_and_bad_inputs():
-    """Environment tokens get weight 0 whatever their log-probs say; a weight exactly at the
-    cap is kept, not counted as capped; input errors name the input."""
-    prox = torch.tensor([[math.log(2.0), 0.0, 7.0, 0.0]], dtype=torch.float64)
-    behaviour = torch.tensor([[0.0, 0.0, -3.0, 0.0]], dtype=torch.float64)
-    mask = torch.tensor([[1, 1, 0, 1]])  # token 2: environment, garbage log-probs
-    turn_ids = torch.tensor([[0, 0, -1, 1]])
-    for mode in ("truncate", "drop"):
-        out = losses.behavior_importance_weights(
-            prox, behaviour, mask, turn_ids, level="token", cap=2.0, mode=mode
-        )
-        torch.testing.assert_close(
-            out.weights, torch.tensor([[2.0, 1.0, 0.0, 1.0]], dtype=torch.float64)
-        )
-        assert float(out.metrics["behavior_weight_capped"]) == 0.0  # 2.0 is not above 2.0
-        assert float(out.metrics["behavior_weight_max"]) == 2.0
-        assert float(out.metrics["behavior_weight_mean"]) == pytest.approx(4.0 / 3.0)
-    with pytest.raises(
-        ValueError, match=r"^behavior_logprobs shape \(1, 3\) != proximal_logprobs shape \(1, 4\)$"
-    ):
-        losses.behavior_importance_weights(
-            prox, behaviour[:, :3], mask, turn_ids, level="token", cap=2.0
-        )
-    with pytest.raises(
-        ValueError, match=r"^mode must be one of \('truncate', 'drop'\), got 'clip'$"
-    ):
-        losses.behavior_importance_weights(
-            prox, behaviour, mask, turn_ids, level="token", cap=2.0, mode="clip"
-        )
-    bf16 = losses.behavior_importance_weights(
-        prox.bfloat16(), behaviour.bfloat16(), mask, turn_ids, level="token", cap=2.0
-    )
-    assert bf16.metrics["behavior_weight_capped"].dtype == bf16.weights.dtype
-
-
 def test_kl_estimator_error_names_the_field():
     logp = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=r"^estimator must be one of"):
         losses.kl_penalty(logp, logp, "k2")  # type: ignore[arg-type]
-
-
-def test_decoupled_ppo_at_staleness_zero_is_ppo():
-    gen = torch.Generator().manual_seed(1)
-    logp = torch.randn(2, 6, generator=gen, dtype=torch.float64)
-    old = logp.detach() - 0.1
-    adv = torch.randn(2, 6, generator=gen, dtype=torch.float64)
-    mask, turn_ids = torch.ones(2, 6), torch.zeros(2, 6, dtype=torch.long)
-    ones = losses.behavior_importance_weights(old, old, mask, turn_ids, level="token", cap=2.0)
-    kw = dict(ratio_level="token", clip_eps_low=0.2, clip_eps_high=0.2)
-    plain = losses.compute_policy_loss(logp, old, adv, mask, turn_ids, **kw)
-    decoupled = losses.compute_policy_loss(
-        logp, old, adv, mask, turn_ids, behavior_weights=ones.weights, **kw
-    )
-    torch.testing.assert_close(decoupled.loss, plain.loss, rtol=0, atol=0)
 
 
 def test_low_var_kl_is_bounded_where_k3_explodes():
@@ -203,8 +127,21 @@ def test_config_defaults_and_validation():
         PPOConfig.model_validate({"old_logprob_source": "recompute"})
     with pytest.raises(ValidationError, match="clip_ratio_c"):
         PPOConfig(clip_eps_high=0.5, clip_ratio_c=1.4)
-    with pytest.raises(ValidationError, match="behavior_weight_cap"):
-        PPOConfig(behavior_weight_cap=1.0)
+    # the old behaviour-weight options name their replacement (algorithm.rollout_correction)
+    with pytest.raises(ValidationError, match=r"folded into algorithm\.rollout_correction"):
+        PPOConfig.model_validate({"behavior_weight_cap": 3.0})
+    with pytest.raises(ValidationError, match="is_cap"):
+        PPOConfig.model_validate({"rollout_correction": {"is_cap": 1.0}})
+    with pytest.raises(ValidationError, match="neither mask_low nor mask_high"):
+        PPOConfig.model_validate({"rollout_correction": {"mask_level": "token"}})
+    with pytest.raises(ValidationError, match=r"mask_low .* must be below mask_high"):
+        PPOConfig.model_validate({"rollout_correction": {"mask_low": 2.0, "mask_high": 1.0}})
+    with pytest.raises(ValidationError, match="m2po_threshold masks"):
+        PPOConfig(off_policy="behavior", m2po_threshold=0.04)
+    with pytest.raises(ValidationError, match="loglinear"):
+        PPOConfig(off_policy="behavior", proximal="loglinear")
+    with pytest.raises(ValidationError, match="bias_norm = 'param'"):
+        STPPOConfig(bias_norm="param", proximal="loglinear")
 
 
 def test_token_bound_acts_only_in_the_advantage_direction_and_only_beyond_the_bound():
