@@ -52,6 +52,7 @@ from services.run_records import (
     TrainingInterrupted,
     move_aside,
     plan_start,
+    read_records,
     start_attempt,
 )
 
@@ -186,6 +187,7 @@ class Driver:
             self._evaluate("resume" if self.resume else "start")
             self._install_signal_handlers()
             self._train_loop()
+            self._report_stabilisers()
             if self._last_checkpoint_step != self.state.learner_step:  # not saved at the last step
                 self._checkpoint()
             if self.interrupted:  # not the end: no final evaluation, the caller exits non-zero
@@ -1112,6 +1114,14 @@ class Driver:
         self._last_checkpoint_step = self.state.learner_step
         self.progress.say(f"checkpoint: {path}")
         return path
+
+    def _report_stabilisers(self) -> None:
+        """Say whether the stabilisers acted over the run's steps (:mod:`services.stabilisers`)."""
+        from services.stabilisers import activity_line, stabiliser_activity
+
+        steps = read_records(self.run_dir / "steps.jsonl", "step")
+        if steps:
+            self.progress.say(activity_line(stabiliser_activity(steps)))
 
     def _plot(self) -> None:
         """``<run_dir>/curves.png`` (what ``stppo plot <run_dir>`` draws); a failure to draw

@@ -2,7 +2,8 @@
 
 A table of the latest evaluation's records (or of the last step's training samples),
 filterable by data source and verdict, with a recount of success and malformed answers
-over what is shown; ``record`` expands one record in full: every turn's text, search
+over what is shown and, for a run directory, whether the stabilisers acted
+(:mod:`services.stabilisers`); ``record`` expands one record in full: every turn's text, search
 query and returned passages, the compared forms and the verdict.
 """
 
@@ -130,6 +131,13 @@ def render(
         )
     else:
         console.print(f"0 of {len(latest)} records pass the filters")
+    if path.is_dir() and (path / "steps.jsonl").exists():
+        from services.run_records import read_records as read_steps
+        from services.stabilisers import activity_line, stabiliser_activity
+
+        steps = read_steps(path / "steps.jsonl", "step")
+        if steps:
+            console.print(activity_line(stabiliser_activity(steps)))
     return len(rows)
 
 
