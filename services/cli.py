@@ -356,6 +356,13 @@ def experiment(
             help="Wall-clock cap per run in seconds (0 = none); default: the grid's max_run_s.",
         ),
     ] = None,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Run only the planned runs with AXIS=VALUE (a grid axis, or seed); repeat "
+            "to narrow further, e.g. --only method=ppo --only seed=0.",
+        ),
+    ] = None,
     config: ConfigArgs = None,
 ) -> None:
     """Run a named grid of training runs, then write a summary table and overlaid curves.
@@ -364,15 +371,23 @@ def experiment(
     Extra dotted.key=value overrides apply to every run (a leading @config.toml is
     not accepted here: the grid names its base config)."""
     from services.config import ConfigError
-    from services.experiment import experiment_path, load_experiment, plan_runs, plan_warm_start
+    from services.experiment import (
+        experiment_path,
+        load_experiment,
+        parse_only,
+        plan_runs,
+        plan_warm_start,
+        select_runs,
+    )
 
     path, overrides = _split_config_args(config)
     if path is not None:
         _fail("experiment takes dotted.key=value overrides only; the grid names its base config")
     try:
         spec = load_experiment(experiment_path(name))
+        selection = parse_only(spec, only or [])
         warm = plan_warm_start(spec, name, output_dir, overrides)
-        planned = plan_runs(spec, name, output_dir, overrides)
+        planned = select_runs(plan_runs(spec, name, output_dir, overrides), selection)
     except ConfigError as e:
         _fail(str(e))
     if warm is not None:
@@ -390,7 +405,12 @@ def experiment(
         result = summarize_experiment(name, output_dir, overrides, max_run_s=max_run_s)
     else:
         result = run_experiment(
-            name, output_dir, overrides, skip_finished=not rerun, max_run_s=max_run_s
+            name,
+            output_dir,
+            overrides,
+            skip_finished=not rerun,
+            max_run_s=max_run_s,
+            only=selection,
         )
     typer.echo(result.summary_md.read_text())
     typer.echo(f"wrote {result.summary_json}, {result.summary_md}, {result.figure}")

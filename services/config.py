@@ -51,6 +51,10 @@ class RunSection(StrictModel):
     seed: int = Field(0, ge=0)
     """Seed for data order, sampling and initialisation."""
 
+    label: str = Field("", max_length=128)
+    """Free-text label of the run, kept in ``config.json`` (an experiment writes the name of
+    the run's method here: ``stppo experiment`` grids with a ``method`` axis)."""
+
     num_steps: int = Field(20, ge=0, le=10_000_000)
     """Learner steps to run (0 = warm start and evaluation only)."""
 

@@ -61,6 +61,27 @@ def resolve_base_config(path: Path | None) -> Path | None:
     return CONFIGS_DIR.joinpath(*path.parts[2:])
 
 
+METHOD_AXIS = "method"
+"""The grid axis whose values name :attr:`ExperimentSpec.methods` (read back from
+``run.label``)."""
+
+
+class MoreSeeds(StrictModel):
+    """More seeds for the cells whose result is not yet told apart from the best.
+
+    When every run of a leaderboard (the cells sharing a value of ``group_by``) has
+    finished with the experiment's ``seeds``, its best cell is the one with the highest IQM
+    of final greedy validation success; every cell whose 95% bootstrap interval overlaps the
+    best cell's (the best included) gets ``seeds`` too (:func:`services.arena.cells_needing_seeds`).
+    """
+
+    seeds: list[int] = Field(min_length=1)
+    """The additional ``run.seed`` values."""
+
+    group_by: str = "buffer.max_staleness"
+    """The grid axis that separates leaderboards (one best cell per value)."""
+
+
 class ExperimentSpec(StrictModel):
     """A named grid of runs (one TOML file under ``deploy/configs/experiments/``)."""
 
@@ -74,7 +95,28 @@ class ExperimentSpec(StrictModel):
     """``dotted.key -> value`` applied to every run after ``base_config``."""
 
     grid: dict[str, list[Any]] = Field(min_length=1)
-    """``dotted.key -> values``; the runs are the cartesian product, in file order."""
+    """``dotted.key -> values``; the runs are the cartesian product, in file order. The axis
+    ``method`` takes names of :attr:`methods`."""
+
+    methods: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Named bundles of overrides (``[methods.<name>]``, ``dotted.key -> value``): a run at
+    ``method = <name>`` gets them after the grid's other values, and ``run.label = <name>``
+    (the cell's name in the summaries). An off-policy correction is several keys at once
+    (variant, objective, correction options): a method names the combination."""
+
+    extra_points: list[dict[str, Any]] = Field(default_factory=list)
+    """Grid points planned besides the cartesian product (after it), each giving a value
+    for every axis, e.g. the on-policy reference ``{method = "ppo", "buffer.max_staleness"
+    = 0}`` beside a product over stale levels."""
+
+    more_seeds: MoreSeeds | None = None
+    """Seeds added to the cells that need them once the first ``seeds`` have finished
+    (:class:`MoreSeeds`)."""
+
+    baseline_method: str | None = None
+    """The method the summaries compare every cell with at the same staleness
+    (probability of improvement, relative step time); ``None``: ``algorithm.variant =
+    ppo`` of the same cell otherwise."""
 
     exclude: list[dict[str, Any]] = Field(default_factory=list)
     """Grid points left out: a point whose values match every ``dotted.key = value`` of any
@@ -128,6 +170,27 @@ class ExperimentSpec(StrictModel):
     of improvement over ppo, collapse rate with a Wilson interval, clip ratio, approx KL,
     clip-bias scale, realised staleness), ``cells.png`` (success curves, mean and band over
     seeds, one panel per staleness) and ``cells_intervals.png`` (the intervals per cell)."""
+
+    @model_validator(mode="after")
+    def _check_methods(self) -> ExperimentSpec:
+        named = [*self.grid.get(METHOD_AXIS, []), *(p.get(METHOD_AXIS) for p in self.extra_points)]
+        if self.methods and METHOD_AXIS not in self.grid:
+            raise ValueError(f"methods are given but the grid has no {METHOD_AXIS!r} axis")
+        unknown = sorted({str(m) for m in named if m not in self.methods})
+        if METHOD_AXIS in self.grid and unknown:
+            raise ValueError(f"method(s) {unknown} have no [methods.<name>] table")
+        if self.baseline_method is not None and self.baseline_method not in self.methods:
+            raise ValueError(f"baseline_method {self.baseline_method!r} is not a method")
+        for point in self.extra_points:
+            if set(point) != set(self.grid):
+                raise ValueError(
+                    f"extra point {point} must give exactly the grid's axes {sorted(self.grid)}"
+                )
+        for method, overrides in self.methods.items():
+            fixed = sorted(set(overrides) & {"run.label", *self.grid})
+            if fixed:
+                raise ValueError(f"method {method!r} sets {fixed}, which the grid sets")
+        return self
 
     @field_validator("grid")
     @classmethod
@@ -294,7 +357,7 @@ def _load_run_config(
         ConfigError: the config does not validate (the message names the run).
     """
     overrides = [f"{k}={_toml_value(v)}" for k, v in spec.overrides.items()]
-    overrides += [f"{k}={_toml_value(v)}" for k, v in grid_values.items()]
+    overrides += [f"{k}={_toml_value(v)}" for k, v in _point_overrides(spec, grid_values).items()]
     overrides += list(extra_overrides or [])
     overrides += [f"{k}={_toml_value(v)}" for k, v in fixed.items()]
     try:
@@ -303,21 +366,141 @@ def _load_run_config(
         raise ConfigError(f"run {rname}: {e}") from None
 
 
+def _point_overrides(spec: ExperimentSpec, point: dict[str, Any]) -> dict[str, Any]:
+    """A grid point's ``dotted.key -> value`` overrides: its values, with a ``method``
+    replaced by ``run.label = <method>`` and the method's own overrides after them."""
+    out = {k: v for k, v in point.items() if k != METHOD_AXIS}
+    if METHOD_AXIS in point:
+        out["run.label"] = point[METHOD_AXIS]
+        out.update(spec.methods[point[METHOD_AXIS]])
+    return out
+
+
+def grid_points(spec: ExperimentSpec) -> list[dict[str, Any]]:
+    """The grid's points in plan order: the cartesian product (file order) without the
+    ``exclude`` matches, then ``extra_points``."""
+    keys = list(spec.grid)
+    points = [dict(zip(keys, v, strict=True)) for v in itertools.product(*spec.grid.values())]
+    points = [p for p in points if not spec.excluded(p)]
+    return points + [p for p in spec.extra_points if p not in points]
+
+
 def plan_runs(
-    spec: ExperimentSpec, name: str, output_dir: Path, extra_overrides: list[str] | None = None
+    spec: ExperimentSpec,
+    name: str,
+    output_dir: Path,
+    extra_overrides: list[str] | None = None,
+    *,
+    more_seeds: bool = True,
 ) -> list[PlannedRun]:
     """Every grid point x seed as a validated config (nothing runs yet).
 
-    Grid points matching an ``exclude`` entry are left out. Each run gets ``run.name`` from
-    :func:`run_name`, ``run.output_dir = output_dir/name``,
+    Grid points matching an ``exclude`` entry are left out, ``extra_points`` added. Each run
+    gets ``run.name`` from :func:`run_name`, ``run.output_dir = output_dir/name``,
     ``run.seed`` and ``run.num_steps = spec.num_steps`` (and, with ``shared_warm_start``,
     ``model.path`` = :func:`warm_start_policy_dir` and ``sft.enabled = false``);
-    ``extra_overrides`` (``dotted.key=value`` strings) come last, before those.
+    ``extra_overrides`` (``dotted.key=value`` strings) come last, before those. With
+    ``more_seeds`` and :attr:`ExperimentSpec.more_seeds`, the runs of the additional seeds
+    follow for the cells that need them (:func:`more_seed_points`, decided from the
+    finished runs on disk; none while a leaderboard's first seeds are unfinished).
 
     Raises:
         ConfigError: a combination does not validate (the message names the run).
     """
-    keys = list(spec.grid)
+    points = grid_points(spec)
+    if spec.seed_major:
+        order = [(point, seed) for seed in spec.seeds for point in points]
+    else:
+        order = [(point, seed) for point in points for seed in spec.seeds]
+    planned = _planned(spec, name, output_dir, extra_overrides, order)
+    if more_seeds and spec.more_seeds is not None:
+        extra = more_seed_points(spec, planned)
+        order = [(point, seed) for seed in spec.more_seeds.seeds for point in extra]
+        planned += _planned(spec, name, output_dir, extra_overrides, order)
+    return planned
+
+
+def parse_only(spec: ExperimentSpec, only: list[str]) -> dict[str, list[Any]]:
+    """``["method=ppo", "method=gspo", "seed=0"]`` -> ``{"method": ["ppo", "gspo"], "seed":
+    [0]}`` (values parsed as TOML, else kept as strings): a run is selected when, for every
+    key, its value is one of the listed ones.
+
+    Raises:
+        ConfigError: an item without ``=`` or whose key is neither a grid axis nor ``seed``.
+    """
+    import tomllib
+
+    selection: dict[str, list[Any]] = {}
+    for item in only:
+        key, sep, raw = item.partition("=")
+        if not sep or (key not in spec.grid and key != "seed"):
+            raise ConfigError(
+                f"--only {item!r}: expected AXIS=VALUE with AXIS one of {[*spec.grid, 'seed']}"
+            )
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        selection.setdefault(key, []).append(value)
+    return selection
+
+
+def select_runs(planned: list[PlannedRun], only: dict[str, list[Any]]) -> list[PlannedRun]:
+    """The planned runs whose grid values (and ``seed``) are, for every key of ``only``,
+    one of its values."""
+    return [
+        r
+        for r in planned
+        if all({**r.grid_values, "seed": r.seed}.get(k) in v for k, v in only.items())
+    ]
+
+
+def final_val_success(run_dir: Path) -> float | None:
+    """Greedy validation success of a run's final evaluation (``eval.jsonl`` tag ``end``);
+    None while the run has not finished."""
+    end = [e for e in read_jsonl(run_dir / "eval.jsonl") if e.get("tag") == "end"]
+    return float(end[-1]["success_rate"]) if end else None
+
+
+def more_seed_points(spec: ExperimentSpec, planned: list[PlannedRun]) -> list[dict[str, Any]]:
+    """The grid points that get :attr:`ExperimentSpec.more_seeds`: per value of its
+    ``group_by`` axis (a leaderboard) whose planned runs have all finished, every point
+    whose 95% bootstrap interval of the IQM of final validation success overlaps the best
+    point's (the highest IQM; the best included). In plan order."""
+    from services.stability import iqm, iqm_ci
+
+    rule = spec.more_seeds
+    if rule is None:
+        return []
+    values: dict[str, list[float | None]] = {}
+    points: dict[str, dict[str, Any]] = {}
+    for run in planned:
+        key = json.dumps(run.grid_values, sort_keys=True)
+        points[key] = run.grid_values
+        values.setdefault(key, []).append(final_val_success(run.config.run_dir))
+    chosen: set[str] = set()
+    groups = {json.dumps(p.get(rule.group_by)) for p in points.values()}
+    for group in groups:
+        keys = [k for k, p in points.items() if json.dumps(p.get(rule.group_by)) == group]
+        if any(v is None for k in keys for v in values[k]):
+            continue  # a leaderboard is judged once all its first seeds have finished
+        stats = {k: (iqm(values[k]), iqm_ci(values[k])) for k in keys}  # type: ignore[arg-type]
+        best = max(keys, key=lambda k: stats[k][0])
+        best_low, best_high = stats[best][1]
+        for k in keys:
+            low, high = stats[k][1]
+            if high >= best_low and low <= best_high:
+                chosen.add(k)
+    return [p for k, p in points.items() if k in chosen]
+
+
+def _planned(
+    spec: ExperimentSpec,
+    name: str,
+    output_dir: Path,
+    extra_overrides: list[str] | None,
+    order: list[tuple[dict[str, Any], int]],
+) -> list[PlannedRun]:
     planned = []
     shared: dict[str, Any] = {}
     if spec.shared_warm_start:
@@ -325,12 +508,6 @@ def plan_runs(
             "model.path": str(warm_start_policy_dir(spec, name, output_dir)),
             "sft.enabled": False,
         }
-    points = [dict(zip(keys, v, strict=True)) for v in itertools.product(*spec.grid.values())]
-    points = [p for p in points if not spec.excluded(p)]
-    if spec.seed_major:
-        order = [(point, seed) for seed in spec.seeds for point in points]
-    else:
-        order = [(point, seed) for point in points for seed in spec.seeds]
     for grid_values, seed in order:
         rname = run_name(grid_values, seed)
         fixed = {
@@ -510,12 +687,15 @@ def run_experiment(
     experiments_dir: Path = EXPERIMENTS_DIR,
     skip_finished: bool = True,
     max_run_s: float | None = None,
+    only: dict[str, list[Any]] | None = None,
 ) -> ExperimentResult:
     """Run every planned run of experiment ``name`` in turn, then summarise and plot.
 
     A run whose directory already holds a final ``eval.jsonl`` record (tag ``end``) is not
     run again when ``skip_finished`` (so an interrupted grid continues where it stopped).
-    ``max_run_s`` replaces the spec's :attr:`ExperimentSpec.max_run_s` when given.
+    ``max_run_s`` replaces the spec's :attr:`ExperimentSpec.max_run_s` when given. ``only``
+    (:func:`parse_only`) runs the matching planned runs alone; the summary covers every run
+    started so far.
 
     Raises:
         ConfigError: unknown experiment or invalid config.
@@ -523,21 +703,51 @@ def run_experiment(
     spec = load_experiment(experiment_path(name, experiments_dir))
     cap_s = spec.max_run_s if max_run_s is None else max_run_s
     warm = plan_warm_start(spec, name, output_dir, extra_overrides)
-    planned = plan_runs(spec, name, output_dir, extra_overrides)
     start = time.perf_counter()
     if warm is not None:
         _run_warm_start(warm, warm_start_policy_dir(spec, name, output_dir), skip_finished)
-    todo: list[tuple[str, PlannedRun]] = []
+    done: set[str] = set()
+    # round 1: the first seeds (and more_seeds already decided by an earlier sitting);
+    # round 2: more_seeds for the cells the finished first seeds leave undecided
+    for _ in range(2 if spec.more_seeds else 1):
+        planned = select_runs(plan_runs(spec, name, output_dir, extra_overrides), only or {})
+        todo = _unfinished(planned, name, skip_finished, done)
+        if not todo:
+            break
+        done.update(run.name for _, run in todo)
+        _run_all(todo, cap_s, spec.parallel_runs, start)
+    result = summarize_experiment(name, output_dir, extra_overrides, experiments_dir, cap_s)
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def _unfinished(
+    planned: list[PlannedRun], name: str, skip_finished: bool, done: set[str]
+) -> list[tuple[str, PlannedRun]]:
+    """The planned runs still to run, labelled for the console: not run in this call
+    (``done``), and not finished before (with ``skip_finished``). A partial run's records
+    are cleared (it restarts from scratch)."""
+    todo = []
     for i, run in enumerate(planned, 1):
         run_dir = run.config.run_dir
         label = f"[experiment {name}] {i}/{len(planned)} {run.name}"
-        if skip_finished and any(e.get("tag") == "end" for e in read_jsonl(run_dir / "eval.jsonl")):
+        if run.name in done:
+            continue
+        if skip_finished and final_val_success(run_dir) is not None:
             print(f"{label}: finished before, skipped")
             continue
         if run_dir.exists():
             _clear_partial_run(run_dir)
         todo.append((label, run))
-    if spec.parallel_runs == 1:
+    return todo
+
+
+def _run_all(
+    todo: list[tuple[str, PlannedRun]], cap_s: float, parallel_runs: int, start: float
+) -> None:
+    """Run ``todo`` one after the other in this process, or ``parallel_runs`` at a time in
+    child processes (:func:`_run_in_processes`)."""
+    if parallel_runs == 1:
         for label, run in todo:
             print(f"{label}: {run.grid_values} seed {run.seed}")
             try:
@@ -545,10 +755,7 @@ def run_experiment(
             finally:
                 _detach_run_log(run.config.run_dir)
     else:
-        _run_in_processes(todo, cap_s, spec.parallel_runs, start)
-    result = summarize_experiment(name, output_dir, extra_overrides, experiments_dir, cap_s)
-    result.wall_s = time.perf_counter() - start
-    return result
+        _run_in_processes(todo, cap_s, parallel_runs, start)
 
 
 def summarize_experiment(
@@ -577,7 +784,10 @@ def summarize_experiment(
         "description": spec.description,
         "num_steps": spec.num_steps,
         "seeds": spec.seeds,
+        "more_seeds": spec.more_seeds.model_dump() if spec.more_seeds else None,
         "grid": spec.grid,
+        "methods": spec.methods,
+        "extra_points": spec.extra_points,
         "max_run_s": spec.max_run_s if max_run_s is None else max_run_s,
         "runs_planned": [r.name for r in planned],
         "warm_start": read_jsonl(warm.config.run_dir / "sft.jsonl") if warm else None,

@@ -374,7 +374,7 @@ def run_stats(
         consumed=consumed,
         success_curve=success,
         malformed_curve=_series(steps, "malformed_rate"),
-        cell={k: _dotted(cfg, k) for k in cell_keys},
+        cell={k: _dotted(cfg, "run.label" if k == "method" else k) for k in cell_keys},
         finished=bool(end),
         seed=int(cfg["run"]["seed"]),
         off_policy=str(cfg["algorithm"].get("off_policy", "decoupled")),

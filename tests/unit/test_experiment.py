@@ -236,7 +236,9 @@ def test_every_experiment_toml_plans(path: Path):
 
 
 def test_bad_grids_fail_with_clear_errors(tmp_path: Path):
-    with pytest.raises(ConfigError, match=r"no experiment 'nope'.*known: \['ppo_vs_st_ppo'"):
+    with pytest.raises(
+        ConfigError, match=r"no experiment 'nope'.*known: \['arena', 'ppo_vs_st_ppo'"
+    ):
         experiment_path("nope")
     spec = ExperimentSpec(grid={"algorithm.variant": ["ppo", "bogus"]}, num_steps=1)
     with pytest.raises(ConfigError, match=r"run variant-bogus_seed-0: .*algorithm"):
@@ -287,3 +289,85 @@ def test_format_collapse_counts_even_when_success_never_rose():
     assert run_collapsed(steps, CollapseRule(malformed=None)) is False
     healthy = [dict(s, malformed_rate=0.1) for s in steps]
     assert run_collapsed(healthy, CollapseRule()) is False
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def method_spec(**extra) -> ExperimentSpec:
+    return ExperimentSpec.model_validate({
+        "num_steps": 2,
+        "seeds": [0, 1],
+        "grid": {"method": ["plain", "tis3"], "buffer.max_staleness": [4, 16]},
+        "extra_points": [{"method": "plain", "buffer.max_staleness": 0}],
+        "methods": {
+            "plain": {"algorithm.variant": "ppo", "algorithm.off_policy": "behavior"},
+            "tis3": {"algorithm.variant": "ppo", "algorithm.rollout_correction.is_cap": 3.0},
+        },
+        **extra,
+    })  # fmt: skip
+
+
+def test_methods_expand_to_their_overrides_and_label_the_run(tmp_path: Path):
+    planned = plan_runs(method_spec(seed_major=True), "a", tmp_path)
+    # 2 methods x 2 staleness levels + the extra point, x 2 seeds, seed-major
+    assert [(r.grid_values["method"], r.grid_values["buffer.max_staleness"], r.seed)
+            for r in planned[:5]] == [("plain", 4, 0), ("plain", 16, 0), ("tis3", 4, 0),
+                                      ("tis3", 16, 0), ("plain", 0, 0)]  # fmt: skip
+    assert len(planned) == 10
+    tis = planned[2].config
+    assert tis.run.label == "tis3" and tis.algorithm.rollout_correction.is_cap == 3.0
+    assert planned[2].name == "method-tis3_max_staleness-4_seed-0"
+    plain = planned[0].config
+    assert plain.run.label == "plain" and plain.algorithm.off_policy == "behavior"
+
+
+def test_bad_methods_fail_naming_the_problem():
+    with pytest.raises(ValueError, match=r"method\(s\) \['nope'\] have no \[methods"):
+        method_spec(grid={"method": ["plain", "nope"]})
+    with pytest.raises(ValueError, match="extra point .* must give exactly the grid's axes"):
+        method_spec(extra_points=[{"method": "plain"}])
+    with pytest.raises(ValueError, match="baseline_method 'x' is not a method"):
+        method_spec(baseline_method="x")
+    with pytest.raises(ValueError, match=r"method 'plain' sets \['buffer.max_staleness'\]"):
+        method_spec(methods={"plain": {"buffer.max_staleness": 2}, "tis3": {}})
+
+
+def test_more_seeds_go_to_the_cells_whose_interval_overlaps_the_best(tmp_path: Path):
+    spec = method_spec(
+        seeds=[0, 1, 2], grid={"method": ["plain", "tis3"], "buffer.max_staleness": [4]},
+        extra_points=[], more_seeds={"seeds": [7]},
+    )  # fmt: skip
+    base = plan_runs(spec, "a", tmp_path, more_seeds=False)
+    assert len(plan_runs(spec, "a", tmp_path)) == 6  # nothing finished: nothing decided
+    # plain ends at .50, .52, .54 and tis3 at .10, .12, .14: intervals [.50, .54] and
+    # [.10, .14] do not overlap, so only the best (plain) gets seed 7
+    finals = {"plain": [0.50, 0.52, 0.54], "tis3": [0.10, 0.12, 0.14]}
+    for run in base:
+        value = finals[run.grid_values["method"]][run.seed]
+        write_run(run.config.run_dir, [], [{"tag": "end", "success_rate": value}])
+    extra = plan_runs(spec, "a", tmp_path)[6:]
+    assert [(r.grid_values["method"], r.seed) for r in extra] == [("plain", 7)]
+    # tis3 at .50, .53, .56 overlaps [.50, .54]: both get seed 7
+    for run in base:
+        if run.grid_values["method"] == "tis3":
+            value = [0.50, 0.53, 0.56][run.seed]
+            (run.config.run_dir / "eval.jsonl").write_text(
+                json.dumps({"tag": "end", "success_rate": value}) + "\n"
+            )
+    extra = plan_runs(spec, "a", tmp_path)[6:]
+    assert sorted(r.grid_values["method"] for r in extra) == ["plain", "tis3"]
+
+
+def test_only_selects_runs_by_axis_and_seed(tmp_path: Path):
+    from services.experiment import parse_only, select_runs
+
+    spec = method_spec()
+    only = parse_only(spec, ["method=tis3", "method=plain", "buffer.max_staleness=16", "seed=1"])
+    assert only == {"method": ["tis3", "plain"], "buffer.max_staleness": [16], "seed": [1]}
+    chosen = select_runs(plan_runs(spec, "a", tmp_path), only)
+    assert [r.name for r in chosen] == [
+        "method-plain_max_staleness-16_seed-1", "method-tis3_max_staleness-16_seed-1",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match="expected AXIS=VALUE"):
+        parse_only(spec, ["variant=ppo"])
