@@ -113,6 +113,10 @@ class ExperimentSpec(StrictModel):
     """Seeds added to the cells that need them once the first ``seeds`` have finished
     (:class:`MoreSeeds`)."""
 
+    leaderboard: bool = False
+    """Also write the per-staleness leaderboards of a ``method`` grid
+    (:mod:`services.arena`): ``leaderboard.{json,md}`` and three figures."""
+
     baseline_method: str | None = None
     """The method the summaries compare every cell with at the same staleness
     (probability of improvement, relative step time); ``None``: ``algorithm.variant =
@@ -800,6 +804,13 @@ def summarize_experiment(
     if spec.cells:
         run_dirs = [r.config.run_dir for r in started]
         _, cells_md, _ = write_cells(run_dirs, spec.collapse, out_dir, cell_keys=tuple(spec.grid))
+    if spec.leaderboard:
+        from services.arena import write_leaderboards
+
+        run_dirs = [r.config.run_dir for r in started]
+        write_leaderboards(
+            run_dirs, spec.collapse, out_dir, baseline=spec.baseline_method, extra=extra
+        )
     return ExperimentResult(summaries, json_path, md_path, figure, 0.0, cells_md)
 
 

@@ -325,9 +325,9 @@ def test_methods_expand_to_their_overrides_and_label_the_run(tmp_path: Path):
 def test_bad_methods_fail_naming_the_problem():
     with pytest.raises(ValueError, match=r"method\(s\) \['nope'\] have no \[methods"):
         method_spec(grid={"method": ["plain", "nope"]})
-    with pytest.raises(ValueError, match="extra point .* must give exactly the grid's axes"):
+    with pytest.raises(ValueError, match=r"extra point .* must give exactly the grid's axes"):
         method_spec(extra_points=[{"method": "plain"}])
-    with pytest.raises(ValueError, match="baseline_method 'x' is not a method"):
+    with pytest.raises(ValueError, match=r"baseline_method 'x' is not a method"):
         method_spec(baseline_method="x")
     with pytest.raises(ValueError, match=r"method 'plain' sets \['buffer.max_staleness'\]"):
         method_spec(methods={"plain": {"buffer.max_staleness": 2}, "tis3": {}})

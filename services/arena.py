@@ -1,0 +1,508 @@
+"""The off-policy arena's leaderboards: one per staleness, methods ranked by final success.
+
+An arena is an experiment grid (:mod:`services.experiment`) over ``method`` (named bundles
+of overrides: a variant, an objective, a correction) and ``buffer.max_staleness``, with an
+on-policy reference point; ``deploy/configs/experiments/arena.toml`` is the shipped one. For
+every (method, staleness) cell, over its seeds (:class:`LeaderboardRow`):
+
+- final greedy validation success: IQM with a 95% percentile-bootstrap interval (scipy);
+- gain over the start (the same questions before RL), mean with a bootstrap interval;
+- collapse rate (:func:`services.collapse.run_collapsed`) with a Wilson interval;
+- probability of improvement over the baseline method at the same staleness (ties half),
+  with a stratified-bootstrap interval, and the mean difference to the on-policy reference;
+- what each mechanism did: the share of policy tokens clipped (PPO clip and dual clip;
+  CISPO's truncated weights), held by the token bound, truncated by TIS, masked by the
+  rollout correction (MIS, Geo-RS, IcePop) and by M2PO, mean over steps and seeds; the
+  scale ``s`` (minimum, and the share of steps below 1);
+- learner step time relative to the baseline's at the same staleness (mean ``step_s`` over
+  steps after the first, per run, then the mean over seeds; runs share the machine two at a
+  time, so this ratio is indicative to ~10%);
+- the log-linear proximal approximation's mean error where the proximal is recomputed.
+
+And over every step of every run: ``||C|| / tau`` with the default ``tau`` (0.01), the
+quantity the ST-PPO scale acts on (``s < 1`` iff it exceeds 1): its quantiles per method and
+staleness, the share of steps with ``||C|| = 0`` (nothing clipped) and above 1
+(:class:`BiasNormDistribution`), and its empirical distribution (figure).
+
+Outputs (:func:`write_leaderboards`): ``leaderboard.json``, ``leaderboard.md``,
+``leaderboard_intervals.png``, ``leaderboard_curves.png`` (success, malformed share and KL
+per step, mean and a band of +-1 sd over seeds) and ``leaderboard_bias_norm.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.collapse import CollapseRule, run_collapsed
+from services.run_records import read_records
+from services.stability import (
+    _finite,
+    _mean,
+    iqm,
+    iqm_ci,
+    mean_ci,
+    mean_difference,
+    mean_difference_ci,
+    poi_ci,
+    probability_of_improvement,
+    wilson_ci,
+)
+
+DEFAULT_TAU = 0.01
+"""The default ``algorithm.tau`` (:data:`learner.losses.DEFAULT_TAU`, mirrored: no torch)."""
+
+SHARES: tuple[tuple[str, str], ...] = (
+    ("clip_ratio", "clipped"),
+    ("token_bound_ratio", "token bound"),
+    ("behavior_weight_capped", "truncated (TIS)"),
+    ("behavior_masked", "masked (MIS)"),
+    ("m2po_masked", "masked (M2PO)"),
+)
+"""(step field, column) of each per-token mechanism share."""
+
+
+@dataclass
+class ArenaRun:
+    """What one run contributes (values from its ``config.json``, ``steps.jsonl`` and
+    ``eval.jsonl``)."""
+
+    method: str
+    staleness: int
+    seed: int
+    val_success: float
+    val_start: float
+    collapsed: bool | None
+    finished: bool
+    steps: int
+    shares: dict[str, float]
+    scale_min: float
+    scale_below_one: float
+    step_s: float
+    proximal_error: float
+    bias_norm_ratio: list[float]
+    success_curve: list[float]
+    malformed_curve: list[float]
+    kl_curve: list[float]
+    wall_s: float = math.nan
+    """From the run's ``config.json`` (written at its start) to its last ``eval.jsonl``
+    record (the final evaluation), by file modification times."""
+
+
+def _series(steps: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(s[key]) if isinstance(s.get(key), int | float) else math.nan for s in steps]
+
+
+def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> ArenaRun:
+    """One run directory as an :class:`ArenaRun`; ``method`` is ``run.label`` (the variant
+    when unlabelled).
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+    """
+    cfg = json.loads((run_dir / "config.json").read_text())
+    steps = read_records(run_dir / "steps.jsonl", "step")
+    evals = read_records(run_dir / "eval.jsonl")
+    end = [e for e in evals if e.get("tag") == "end"]
+    start = [e for e in evals if e.get("tag") == "start"]
+    scale = _finite(_series(steps, "clip_bias_scale"))
+    norms = _series(steps, "clip_bias_norm")
+    return ArenaRun(
+        method=cfg["run"].get("label") or cfg["algorithm"]["variant"],
+        staleness=int(cfg["buffer"]["max_staleness"]),
+        seed=int(cfg["run"]["seed"]),
+        val_success=float(end[-1]["success_rate"]) if end else math.nan,
+        val_start=float(start[0]["success_rate"]) if start else math.nan,
+        collapsed=run_collapsed(steps, rule),
+        finished=bool(end),
+        steps=len(steps),
+        shares={key: _mean(_series(steps, key)) for key, _ in SHARES},
+        scale_min=min(scale, default=1.0),
+        scale_below_one=sum(s < 1.0 for s in scale) / len(scale) if scale else 0.0,
+        step_s=_mean(_series(steps[1:], "step_s")),
+        proximal_error=_mean(_series(steps, "proximal_approx_abs_error")),
+        bias_norm_ratio=[n / tau for n in norms if not math.isnan(n)],
+        success_curve=_series(steps, "success_rate"),
+        malformed_curve=_series(steps, "malformed_rate"),
+        kl_curve=_series(steps, "kl_ref"),
+        wall_s=_run_wall_s(run_dir),
+    )
+
+
+def _run_wall_s(run_dir: Path) -> float:
+    first, last = run_dir / "config.json", run_dir / "eval.jsonl"
+    if not last.exists():
+        return math.nan
+    return last.stat().st_mtime - first.stat().st_mtime
+
+
+@dataclass
+class LeaderboardRow:
+    """One (method, staleness) cell over its seeds (``*_ci``: 95% interval (low, high);
+    NaN = missing)."""
+
+    method: str
+    staleness: int
+    runs: int
+    seeds: list[int]
+    val_success_per_seed: list[float]
+    val_success_iqm: float
+    val_success_iqm_ci: tuple[float, float]
+    gain_mean: float
+    gain_ci: tuple[float, float]
+    collapsed: int
+    judged: int
+    collapse_ci: tuple[float, float]
+    poi_vs_baseline: float
+    poi_vs_baseline_ci: tuple[float, float]
+    vs_on_policy: float
+    vs_on_policy_ci: tuple[float, float]
+    shares: dict[str, float]
+    scale_min: float
+    scale_steps_below_one: float
+    step_time_vs_baseline: float
+    proximal_error: float
+    overlaps_best: bool = False
+
+
+@dataclass
+class BiasNormDistribution:
+    """``||C|| / tau`` over every step of a (method, staleness) cell's runs."""
+
+    method: str
+    staleness: int
+    steps: int
+    share_zero: float
+    share_above_one: float
+    quantiles: dict[str, float] = field(default_factory=dict)
+
+
+def leaderboard(
+    runs: Sequence[ArenaRun], baseline: str | None, on_policy_staleness: int = 0
+) -> list[LeaderboardRow]:
+    """Rows of every (method, staleness) cell with a stale level, best IQM first within
+    each staleness (the on-policy cells get their own board). ``baseline``: the method the
+    probability of improvement and the step time compare with (None: not compared)."""
+    cells: dict[tuple[str, int], list[ArenaRun]] = {}
+    for r in runs:
+        cells.setdefault((r.method, r.staleness), []).append(r)
+    on_policy = [r.val_success for (m, s), rs in cells.items() if s == on_policy_staleness
+                 for r in rs]  # fmt: skip
+    rows = []
+    for (method, staleness), rs in cells.items():
+        val = [r.val_success for r in rs]
+        base = cells.get((baseline, staleness), []) if baseline else []
+        base_val = [r.val_success for r in base]
+        judged = [r.collapsed for r in rs if r.collapsed is not None]
+        step_ratio = math.nan
+        if base and method != baseline:
+            step_ratio = _mean([r.step_s for r in rs]) / _mean([r.step_s for r in base])
+        compare = bool(base) and method != baseline
+        stale = staleness != on_policy_staleness
+        rows.append(
+            LeaderboardRow(
+                method=method,
+                staleness=staleness,
+                runs=len(rs),
+                seeds=[r.seed for r in rs],
+                val_success_per_seed=val,
+                val_success_iqm=iqm(val),
+                val_success_iqm_ci=iqm_ci(val),
+                gain_mean=_mean([r.val_success - r.val_start for r in rs]),
+                gain_ci=mean_ci([r.val_success - r.val_start for r in rs]),
+                collapsed=sum(bool(c) for c in judged),
+                judged=len(judged),
+                collapse_ci=wilson_ci(sum(bool(c) for c in judged), len(judged)),
+                poi_vs_baseline=probability_of_improvement(val, base_val) if compare else math.nan,
+                poi_vs_baseline_ci=poi_ci(val, base_val) if compare else (math.nan, math.nan),
+                vs_on_policy=mean_difference(val, on_policy) if stale else math.nan,
+                vs_on_policy_ci=mean_difference_ci(val, on_policy)
+                if stale
+                else (math.nan, math.nan),
+                shares={key: _mean([r.shares[key] for r in rs]) for key, _ in SHARES},
+                scale_min=min(r.scale_min for r in rs),
+                scale_steps_below_one=_mean([r.scale_below_one for r in rs]),
+                step_time_vs_baseline=step_ratio,
+                proximal_error=_mean([r.proximal_error for r in rs]),
+            )
+        )
+    rows.sort(key=lambda r: (r.staleness, -_nan_low(r.val_success_iqm), r.method))
+    _mark_overlaps(rows)
+    return rows
+
+
+def _nan_low(v: float) -> float:
+    return -math.inf if math.isnan(v) else v
+
+
+def _mark_overlaps(rows: list[LeaderboardRow]) -> None:
+    """Flag, per staleness, the rows whose interval overlaps the best row's (the best too)."""
+    for staleness in {r.staleness for r in rows}:
+        board = [r for r in rows if r.staleness == staleness]
+        best = max(board, key=lambda r: _nan_low(r.val_success_iqm))
+        low, high = best.val_success_iqm_ci
+        for r in board:
+            a, b = r.val_success_iqm_ci
+            r.overlaps_best = r is best or (
+                not math.isnan(a) and not math.isnan(low) and b >= low and a <= high
+            )
+
+
+def bias_norm_distributions(runs: Sequence[ArenaRun]) -> list[BiasNormDistribution]:
+    """:class:`BiasNormDistribution` per (method, staleness), quantiles 0.5, 0.9, 0.99, max."""
+    import numpy as np
+
+    cells: dict[tuple[str, int], list[float]] = {}
+    for r in runs:
+        cells.setdefault((r.method, r.staleness), []).extend(r.bias_norm_ratio)
+    out = []
+    for (method, staleness), values in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        v = np.asarray(values, dtype=float)
+        if not len(v):
+            continue
+        out.append(
+            BiasNormDistribution(
+                method=method,
+                staleness=staleness,
+                steps=len(v),
+                share_zero=float((v == 0).mean()),
+                share_above_one=float((v > 1).mean()),
+                quantiles={q: float(np.quantile(v, float(q))) for q in ("0.5", "0.9", "0.99")}
+                | {"max": float(v.max())},
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def _f(v: float, digits: int = 3) -> str:
+    return "-" if v is None or math.isnan(v) else f"{v:.{digits}f}"
+
+
+def _ci(ci: tuple[float, float], digits: int = 2) -> str:
+    return "" if any(math.isnan(v) for v in ci) else f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def _pct(v: float) -> str:
+    return "-" if math.isnan(v) else f"{100 * v:.2f}%"
+
+
+def leaderboard_markdown(
+    rows: list[LeaderboardRow], norms: list[BiasNormDistribution], baseline: str | None
+) -> str:
+    """One table per staleness (best first; a row in bold overlaps the best's interval),
+    the ``||C|| / tau`` table, and how to read them."""
+    out = []
+    for staleness in sorted({r.staleness for r in rows}):
+        out.append(f"### Staleness {staleness}\n")
+        out.append(
+            "| method | runs | val success IQM [95% CI] | gain over start | collapsed "
+            "[Wilson] | P(improve over baseline) | vs on-policy | "
+            + " | ".join(label for _, label in SHARES)
+            + " | s min (steps < 1) | step time vs baseline | proximal approx error |"
+        )
+        out.append("|---|---:|---|---|---|---|---|" + "---:|" * len(SHARES) + "---|---:|---:|")
+        for r in (r for r in rows if r.staleness == staleness):
+            name = f"**{r.method}**" if r.overlaps_best else r.method
+            out.append(
+                f"| {name} | {r.runs} | {_f(r.val_success_iqm)}{_ci(r.val_success_iqm_ci)} | "
+                f"{_f(r.gain_mean)}{_ci(r.gain_ci)} | {r.collapsed}/{r.judged}"
+                f"{_ci(r.collapse_ci)} | {_f(r.poi_vs_baseline, 2)}{_ci(r.poi_vs_baseline_ci)} | "
+                f"{_f(r.vs_on_policy)}{_ci(r.vs_on_policy_ci)} | "
+                + " | ".join(_pct(r.shares[key]) for key, _ in SHARES)
+                + f" | {_f(r.scale_min)} ({_pct(r.scale_steps_below_one)}) | "
+                f"{_f(r.step_time_vs_baseline, 2)} | {_f(r.proximal_error, 4)} |"
+            )
+        out.append("")
+    out.append(f"### ||C|| / tau per step (tau = {DEFAULT_TAU})\n")
+    out.append(
+        "| method | staleness | steps | ||C|| = 0 | > 1 (s < 1) | median | p90 | p99 | max |"
+    )
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n in norms:
+        q = n.quantiles
+        out.append(
+            f"| {n.method} | {n.staleness} | {n.steps} | {_pct(n.share_zero)} | "
+            f"{_pct(n.share_above_one)} | {q['0.5']:.3g} | {q['0.9']:.3g} | {q['0.99']:.3g} | "
+            f"{q['max']:.3g} |"
+        )
+    out.append("")
+    out.append(
+        "Val success: greedy success on the held-out questions at the end of each run; IQM "
+        "(mean of the middle 50% of seeds) with a 95% percentile-bootstrap interval over "
+        "seeds; bold rows overlap the best row's interval. Gain: end minus start of the same "
+        "evaluation, mean and bootstrap interval. Collapsed: the experiment's collapse rule, "
+        "Wilson interval. P(improve over baseline): probability that a run of the row ends "
+        f"above a run of `{baseline}` at the same staleness (ties count half), stratified "
+        "bootstrap. Vs on-policy: mean difference to the staleness-0 runs. Token shares: "
+        "mean over steps and seeds of the share of policy tokens each mechanism acted on "
+        "(clipped: the PPO clip and dual clip, CISPO's truncated weights). s min: the "
+        "smallest clipping-bias scale of any step, and the share of steps with s < 1. Step "
+        "time: mean learner step time over the baseline's (two runs share the 2-core machine "
+        "at a time: ~10% noise). Proximal approx error: mean |log pi_prox - log-linear "
+        "approximation| (nats per token) where the proximal log-probs are recomputed. "
+        "||C|| / tau: the clipping-bias norm of every step over the default tau; the "
+        "triggered scale acts only above 1."
+    )
+    return "\n".join(out) + "\n"
+
+
+def plot_intervals(rows: list[LeaderboardRow], path: Path) -> Path:
+    """One panel per staleness: each method's IQM with its 95% interval, best on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({r.staleness for r in rows})
+    height = max(len([r for r in rows if r.staleness == s]) for s in levels)
+    fig, axes = plt.subplots(1, len(levels), figsize=(5 * len(levels), 0.35 * height + 1.5),
+                             squeeze=False)  # fmt: skip
+    for ax, staleness in zip(axes[0], levels, strict=True):
+        board = [r for r in rows if r.staleness == staleness][::-1]
+        for y, r in enumerate(board):
+            low, high = r.val_success_iqm_ci
+            color = "tab:blue" if r.overlaps_best else "tab:gray"
+            if not math.isnan(low):
+                ax.plot([low, high], [y, y], color=color, lw=2)
+            ax.plot(r.val_success_iqm, y, "o", color=color)
+        ax.set_yticks(range(len(board)), [f"{r.method} (n={r.runs})" for r in board])
+        ax.set_title(f"staleness {staleness}")
+        ax.set_xlabel("final greedy val success (IQM, 95% CI)")
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(runs: Sequence[ArenaRun], path: Path, window: int = 5) -> Path:
+    """Success, malformed share and KL to the reference per step (moving average over
+    ``window`` steps; mean and +-1 sd band over seeds), one column per staleness."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    levels = sorted({r.staleness for r in runs})
+    methods = sorted({r.method for r in runs})
+    colors = plt.get_cmap("tab20")
+    metrics = (("success_curve", "training success"), ("malformed_curve", "malformed share"),
+               ("kl_curve", "KL to reference (nats/token)"))  # fmt: skip
+    fig, axes = plt.subplots(3, len(levels), figsize=(5.5 * len(levels), 10), squeeze=False)
+    for col, staleness in enumerate(levels):
+        for row, (attr, label) in enumerate(metrics):
+            ax = axes[row][col]
+            for i, method in enumerate(methods):
+                curves = [getattr(r, attr) for r in runs
+                          if r.method == method and r.staleness == staleness]  # fmt: skip
+                if not curves:
+                    continue
+                n = min(len(c) for c in curves)
+                if n < window:
+                    continue
+                kernel = np.ones(window) / window
+                smooth = np.array([np.convolve(np.nan_to_num(c[:n]), kernel, "valid")
+                                   for c in curves])  # fmt: skip
+                x = np.arange(window, n + 1)
+                mean, sd = smooth.mean(0), smooth.std(0)
+                ax.plot(x, mean, color=colors(i), lw=1.2, label=method)
+                ax.fill_between(x, mean - sd, mean + sd, color=colors(i), alpha=0.12)
+            ax.set_title(f"{label}, staleness {staleness}", fontsize=9)
+            ax.set_xlabel("learner step")
+            ax.grid(alpha=0.3)
+    if axes[0][-1].get_legend_handles_labels()[0]:
+        axes[0][-1].legend(fontsize=7, loc="lower right", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_bias_norms(runs: Sequence[ArenaRun], path: Path) -> Path:
+    """Empirical distribution (1 - CDF, log x) of ``||C|| / tau`` per method, one panel per
+    staleness; the vertical line at 1 is where the triggered scale starts acting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    levels = sorted({r.staleness for r in runs})
+    methods = sorted({r.method for r in runs})
+    colors = plt.get_cmap("tab20")
+    fig, axes = plt.subplots(1, len(levels), figsize=(5.5 * len(levels), 4), squeeze=False)
+    for ax, staleness in zip(axes[0], levels, strict=True):
+        for i, method in enumerate(methods):
+            v = np.sort([x for r in runs if r.method == method and r.staleness == staleness
+                         for x in r.bias_norm_ratio])  # fmt: skip
+            if not len(v):
+                continue
+            positive = v[v > 0]
+            if not len(positive):
+                continue
+            survival = 1.0 - np.arange(len(v) - len(positive), len(v)) / len(v)
+            ax.step(positive, survival, where="post", color=colors(i), label=method, lw=1)
+        ax.axvline(1.0, color="black", ls="--", lw=1)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"||C|| / tau (tau = {DEFAULT_TAU})")
+        ax.set_ylabel("share of steps above")
+        ax.set_title(f"staleness {staleness}")
+        ax.grid(alpha=0.3)
+    if axes[0][-1].get_legend_handles_labels()[0]:
+        axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_leaderboards(
+    run_dirs: Sequence[Path],
+    rule: CollapseRule,
+    out_dir: Path,
+    *,
+    baseline: str | None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Read the runs, write ``leaderboard.{json,md}`` and the three figures into
+    ``out_dir``; returns the markdown's path. Unfinished runs are left out of the boards
+    (their count is in the JSON)."""
+    runs = [read_run(d, rule) for d in run_dirs if (d / "config.json").exists()]
+    finished = [r for r in runs if r.finished]
+    rows = leaderboard(finished, baseline)
+    norms = bias_norm_distributions(finished)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "leaderboard.md"
+    md.write_text(leaderboard_markdown(rows, norms, baseline))
+    payload = {
+        **(extra or {}),
+        "baseline": baseline,
+        "unfinished_runs": len(runs) - len(finished),
+        "runs_wall_s": sum(r.wall_s for r in finished if not math.isnan(r.wall_s)),
+        "rows": [asdict(r) for r in rows],
+        "bias_norm_over_tau": [asdict(n) for n in norms],
+    }
+    (out_dir / "leaderboard.json").write_text(json.dumps(_json_safe(payload), indent=1) + "\n")
+    if finished:
+        plot_intervals(rows, out_dir / "leaderboard_intervals.png")
+        plot_curves(finished, out_dir / "leaderboard_curves.png")
+        plot_bias_norms(finished, out_dir / "leaderboard_bias_norm.png")
+    return md
