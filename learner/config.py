@@ -12,7 +12,7 @@ so ``algorithm.tau`` on a ``ppo`` config is an error, not a silently ignored val
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,12 +20,40 @@ LOG_RATIO_CLAMP = 20.0
 """Mirror of ``learner.losses.LOG_RATIO_CLAMP`` (the config imports no torch)."""
 
 
+NULL = "null"
+"""How a config file or override says ``None`` (TOML has no null): the string ``"null"`` for
+a field whose type admits None and no string, e.g. ``algorithm.token_log_ratio_bound =
+"null"`` (the bound off) or the override ``algorithm.clip_ratio_c=null``."""
+
+
+def _nullable_non_string(annotation: object) -> bool:
+    args = get_args(annotation)
+    return type(None) in args and not any(
+        a is str or get_origin(a) is Literal for a in args if a is not type(None)
+    )
+
+
 class StrictModel(BaseModel):
-    """Base for every config section: unknown keys are errors, assignments are validated."""
+    """Base for every config section: unknown keys are errors, assignments are validated,
+    and ``"null"`` sets an optional number to None (:data:`NULL`)."""
 
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, use_attribute_docstrings=True
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_strings(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        nulls = [
+            name
+            for name, value in data.items()
+            if value == NULL
+            and name in cls.model_fields
+            and _nullable_non_string(cls.model_fields[name].annotation)
+        ]
+        return {**data, **dict.fromkeys(nulls)} if nulls else data
 
 
 # --------------------------------------------------------------------------- algorithm

@@ -183,3 +183,15 @@ def test_cli_help_lists_subcommands_without_heavy_imports():
     for cmd in ("train", "prepare", "serve-retrieval", "eval", "ctl", "config", "plot"):
         assert cmd in proc.stdout
     assert "HEAVY []" in proc.stdout
+
+
+def test_null_sets_an_optional_number_to_none_and_leaves_strings_alone():
+    cfg = load_config(
+        None, ["algorithm.token_log_ratio_bound=null", 'algorithm.clip_ratio_c="null"']
+    )
+    assert cfg.algorithm.token_log_ratio_bound is None and cfg.algorithm.clip_ratio_c is None
+    # a string field keeps "null" as text (and fails its own validation where it must)
+    cfg = load_config(None, ['run.label="null"'])
+    assert cfg.run.label == "null"
+    with pytest.raises(ConfigError, match="is_level"):
+        load_config(None, [st, 'algorithm.rollout_correction.is_level="null"'])
