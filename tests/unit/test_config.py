@@ -186,8 +186,9 @@ def test_cli_help_lists_subcommands_without_heavy_imports():
 
 
 def test_null_sets_an_optional_number_to_none_and_leaves_strings_alone():
+    st = 'algorithm.variant="st_ppo"'
     cfg = load_config(
-        None, ["algorithm.token_log_ratio_bound=null", 'algorithm.clip_ratio_c="null"']
+        None, [st, "algorithm.token_log_ratio_bound=null", 'algorithm.clip_ratio_c="null"']
     )
     assert cfg.algorithm.token_log_ratio_bound is None and cfg.algorithm.clip_ratio_c is None
     # a string field keeps "null" as text (and fails its own validation where it must)
