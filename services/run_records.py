@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from services.atomic import write_atomic
+
 ResumeMode = Literal["never", "auto", "must"]
 
 LINEAGE_FILE = "run.json"
@@ -41,6 +43,10 @@ SUPERSEDED_DIR = "superseded"
 EXIT_INTERRUPTED = 75
 """``stppo train`` exit status after SIGTERM: checkpointed, not finished, resumable
 (``EX_TEMPFAIL`` of sysexits.h: "try again later")."""
+
+EXIT_DISK_FULL = 74
+"""``stppo train`` exit status when the disk filled up (``EX_IOERR`` of sysexits.h): one
+error line names the path and the bytes it needed; the last complete checkpoint resumes."""
 
 
 class RunDirInUse(RuntimeError):
@@ -104,13 +110,12 @@ def used_by(run_dir: Path) -> list[str]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint ``checkpoints/latest`` names, if it is complete (has its
-    ``driver_state.json``); else None."""
-    latest = run_dir / "checkpoints" / "latest"
-    if not latest.is_file():
-        return None
-    path = latest.parent / latest.read_text().strip()
-    return path if (path / "driver_state.json").is_file() else None
+    """The checkpoint a resume starts from: the complete one (its manifest agrees with its
+    files) ``checkpoints/latest`` names, else the newest complete one, else None
+    (:meth:`services.loop.checkpoint.CheckpointStore.latest`)."""
+    from services.loop.checkpoint import CheckpointStore
+
+    return CheckpointStore(run_dir / "checkpoints").latest()
 
 
 def plan_start(run_dir: Path, mode: ResumeMode, overwrite: bool = False) -> StartPlan:
@@ -202,7 +207,7 @@ def start_attempt(run_dir: Path, plan: StartPlan, resumed_at_step: int) -> Linea
         attempts, run_id = [], new_run_id()
     entry["attempt"] = len(attempts) + 1
     record = {"run_id": run_id, "attempts": [*attempts, entry]}
-    _write_atomic(lineage_path, json.dumps(record, indent=2) + "\n")
+    write_atomic(lineage_path, json.dumps(record, indent=2) + "\n")
     return Lineage(run_id=run_id, attempt=entry["attempt"])
 
 
@@ -226,16 +231,10 @@ def supersede_after(run_dir: Path, keep: dict[str, int]) -> dict[str, int]:
         with aside.open("ab") as f:
             for line in rest:  # a torn last line (killed mid-write) gets its newline here
                 f.write(line if line.endswith(b"\n") else line + b"\n")
-        _write_atomic(path, b"".join(lines[:n]).decode())
+        write_atomic(path, b"".join(lines[:n]).decode())
         if rest:
             moved[path.name] = len(rest)
     return moved
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 class RecordWriter:

@@ -124,7 +124,7 @@ def test_async_run_with_live_variant_change_and_actor_crash(tmp_path: Path, tiny
     assert httpx.get(f"{control['url']}/status").status_code == 401
 
     # crash one rollout actor; Ray restarts it and the run goes on
-    ray.kill(run.driver.slots[0].handle, no_restart=False)
+    ray.kill(run.driver.fleet.slots[0].handle, no_restart=False)
 
     run.wait_for(
         lambda: client.get("/status").json()["config"]["algorithm"]["variant"] == "ppo",
@@ -165,15 +165,17 @@ def test_async_run_with_live_variant_change_and_actor_crash(tmp_path: Path, tiny
 
 def test_evaluation_reruns_the_shard_of_an_actor_that_crashed(tmp_path: Path, tiny_llama_dir: Path):
     """CI once failed here: an actor killed while the end-of-run evaluation was in flight
-    raised RayActorError out of ``Driver.run``. Now the shard is re-run on the restarted actor."""
+    raised RayActorError out of ``Driver.run``. Now the shard is re-run on the restarted actor
+    (the evaluation phase over a real fleet of Ray actors; the weight sync is a fake)."""
     import os
     from types import SimpleNamespace
 
     import ray
-    from prometheus_client import CollectorRegistry
 
-    from services.driver import Driver, RolloutActorLost, RolloutSlot
-    from services.metrics import TrainingMetrics
+    from services.env import ray_temp_dir
+    from services.loop.fleet import Fleet, RolloutActorLost, RolloutSlot
+    from services.loop.phases import Phases
+    from services.loop.sync import SyncCoordinator
 
     marker = tmp_path / "crashed-once"
 
@@ -189,25 +191,31 @@ def test_evaluation_reruns_the_shard_of_an_actor_that_crashed(tmp_path: Path, ti
                 os._exit(1)
             return [SimpleNamespace(question=r["question"], policy_version_min=0) for r in records]
 
-    driver = Driver(tiny_run_config(tmp_path, tiny_llama_dir))
-    driver._prepare_run_dir()
-    driver._start_ray()
+    class NoSync:
+        def on_member_lost(self, handle, reason):
+            pass
+
+    cfg = tiny_run_config(tmp_path, tiny_llama_dir)
+    lines: list[str] = []
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=str(ray_temp_dir()))
     try:
-        driver.metrics = TrainingMetrics(CollectorRegistry())
         actor = ray.remote(CrashOnceWorker).options(max_restarts=1, max_task_retries=0, num_cpus=0)
-        driver.slots = [RolloutSlot(actor.remote(), i) for i in range(2)]
+        fleet = Fleet(cfg, lambda i: actor.remote())
+        fleet.resize(2)
+        sync = SyncCoordinator(lambda: cfg, fleet, None, NoSync(), lines.append)
+        report = SimpleNamespace(say=lines.append)
+        phases = Phases(lambda: cfg, fleet, sync, None, "", report)
         shards = [[{"question": "a"}, {"question": "b"}], [{"question": "c"}]]
-        out = driver._rollout_shards(shards, "end")
+        out, crashes = phases.rollout_shards(shards, "end")
         assert sorted(t.question for t in out) == ["a", "b", "c"]  # nothing lost, nothing doubled
-        assert driver.state.actor_restarts == 1
-        assert driver.metrics.actor_restarts_total._value.get() == 1
+        assert crashes == 1 and sum("crashed (" in line for line in lines) == 1
 
         # an actor that keeps dying exhausts ray.max_actor_restarts and fails loudly
         marker.unlink()
         doomed = ray.remote(CrashOnceWorker).options(max_restarts=0, max_task_retries=0, num_cpus=0)
-        driver.slots = [RolloutSlot(doomed.remote(), 0)]
+        fleet.slots = [RolloutSlot(doomed.remote(), 0)]
         with pytest.raises(RuntimeError, match=r"eval\[end\]: rollout actors \[0\] crashed"):
-            driver._rollout_shards([[{"question": "a"}]], "end")
+            phases.rollout_shards([[{"question": "a"}]], "end")
 
         # a constructor that raises cannot be fixed by restarts: the run stops at once,
         # naming the cause (it used to log "crashed; restarting" in a tight loop)
@@ -222,16 +230,16 @@ def test_evaluation_reruns_the_shard_of_an_actor_that_crashed(tmp_path: Path, ti
         with pytest.raises(ray.exceptions.RayActorError) as died:
             ray.get(bad.rollout.remote([]))
         with pytest.raises(RolloutActorLost, match="failed to start: AttributeError: 'Rollout"):
-            driver._on_actor_crash(RolloutSlot(bad, 0), died.value)
+            fleet.on_crash(RolloutSlot(bad, 0), died.value)
         # restarts spent: ray.max_actor_restarts + 1 crashes in a row are survived, one more not
         slot = RolloutSlot(bad, 1)
-        limit = driver.cfg.ray.max_actor_restarts + 1
+        limit = cfg.ray.max_actor_restarts + 1
         for _ in range(limit):
-            driver._on_actor_crash(slot, RuntimeError("killed"))
+            fleet.on_crash(slot, RuntimeError("killed"))
         with pytest.raises(RolloutActorLost, match=f"crashed {limit + 1} times in a row"):
-            driver._on_actor_crash(slot, RuntimeError("killed"))
+            fleet.on_crash(slot, RuntimeError("killed"))
     finally:
-        driver._shutdown()
+        ray.shutdown()
 
 
 def test_max_train_s_stops_the_loop_and_the_run_still_checkpoints(
@@ -364,7 +372,7 @@ def test_collective_weight_sync_survives_an_engine_restart(tmp_path: Path, tiny_
     run = RunInThread(cfg)
     run_dir = cfg.run_dir
     run.wait_for(lambda: len(read_jsonl(run_dir / "steps.jsonl")) >= 1, 600, "step 1")
-    ray.kill(run.driver.slots[0].handle, no_restart=False)
+    ray.kill(run.driver.fleet.slots[0].handle, no_restart=False)
     run.thread.join(900)
     assert not run.thread.is_alive(), "run did not finish"
     if run.error is not None:
@@ -374,7 +382,7 @@ def test_collective_weight_sync_survives_an_engine_restart(tmp_path: Path, tiny_
     assert all(s["staleness_max"] <= 1 for s in steps)
     assert run.state.actor_restarts >= 1
     # formed at the first sync, and again with the restarted engine
-    assert run.driver.weight_sync.groups_formed >= 2
+    assert run.driver.sync.weight_sync.groups_formed >= 2
     evals = read_jsonl(run_dir / "eval.jsonl")
     assert [e["policy_version"] for e in evals] == [0, 4]  # the end eval ran on synced weights
 

@@ -28,7 +28,7 @@ def test_run_recovers_when_the_retrieval_server_is_killed(tmp_path: Path, tiny_l
     run = RunInThread(cfg)
     run_dir = cfg.run_dir
     run.wait_for(lambda: len(read_jsonl(run_dir / "steps.jsonl")) >= 1, 600, "step 1")
-    supervisor = run.driver._retrieval_supervisor
+    supervisor = run.driver.services.retrieval
     first_pid = supervisor.pid
     os.kill(first_pid, signal.SIGKILL)
     run.wait_for(lambda: supervisor.restarts == 1 and supervisor.up, 120, "restart")
@@ -39,7 +39,7 @@ def test_run_recovers_when_the_retrieval_server_is_killed(tmp_path: Path, tiny_l
         raise run.error
     assert [s["step"] for s in read_jsonl(run_dir / "steps.jsonl")] == [1, 2, 3]
     assert supervisor.pid != first_pid
-    metrics = run.driver.metrics
+    metrics = run.driver.services.metrics
     assert metrics.retrieval_server_restarts_total._value.get() == 1
     assert metrics.retrieval_failed_trajectories_total._value.get() == 0
     assert "restarting (1 of 3)" in (run_dir / "driver.log").read_text()

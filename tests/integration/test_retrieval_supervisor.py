@@ -131,22 +131,21 @@ def test_server_that_cannot_come_back_fails_the_run_clearly(tmp_path: Path) -> N
 
 
 def test_driver_pauses_rollouts_while_down_and_stops_when_lost(tmp_path: Path) -> None:
-    """The driver loop's gate (``Driver._retrieval_up``) over a real supervisor."""
-    from services.config import load_config
-    from services.driver import Driver
+    """The driver loop's gate (``Services.retrieval_up``) over a real supervisor."""
+    from services.loop.bootstrap import Services
 
-    driver = Driver(load_config(None, [f'run.output_dir="{tmp_path / "runs"}"']))
-    assert driver._retrieval_up()  # external server (no supervisor): never paused
+    services = Services(tmp_path, None, None, None)  # type: ignore[arg-type]
+    assert services.retrieval_up()  # external server (no supervisor): never paused
     supervisor = _supervisor(tmp_path, max_restarts=0)
     supervisor.start()
-    driver._retrieval_supervisor = supervisor
+    services.retrieval = supervisor
     try:
-        assert driver._retrieval_up()
+        assert services.retrieval_up()
         os.kill(supervisor.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         with pytest.raises(RetrievalServerLost, match="max_restarts=0 is spent"):
             while time.monotonic() < deadline:
-                if not driver._retrieval_up():
+                if not services.retrieval_up():
                     assert not supervisor.up  # paused: no rollout admitted
                 time.sleep(0.05)
     finally:

@@ -25,12 +25,16 @@ from services.run_records import (
 
 
 def fake_checkpoint(run_dir: Path, step: int, records: RecordWriter | None) -> Path:
-    """What Driver._checkpoint leaves for the start logic: driver_state.json and latest."""
+    """What the driver's checkpoint leaves for the start logic: a complete checkpoint (its
+    driver_state.json under a manifest) named by latest."""
+    from services.loop.checkpoint import write_manifest
+
     path = run_dir / "checkpoints" / f"step_{step:06d}"
     path.mkdir(parents=True)
     lines = records.line_counts() if records is not None else {}
     state = {"learner_step": step, "record_lines": lines}
     (path / "driver_state.json").write_text(json.dumps(state))
+    write_manifest(path)
     (run_dir / "checkpoints" / "latest").write_text(path.name)
     return path
 
@@ -206,14 +210,14 @@ def test_read_records_refuses_mixed_runs_and_repeated_steps(tmp_path: Path):
 def test_trajectory_ids_are_unique_across_attempts():
     from types import SimpleNamespace
 
-    from services.driver import _stamp_ids
+    from services.loop.pipeline import stamp_ids
 
     def batch():
         return [SimpleNamespace(extra={}) for _ in range(4)]
 
     first, second = batch(), batch()
-    _stamp_ids(first, first_draw=6, group_size=2, attempt=1)
-    _stamp_ids(second, first_draw=6, group_size=2, attempt=2)  # the same draws, re-issued
+    stamp_ids(first, first_draw=6, group_size=2, attempt=1)
+    stamp_ids(second, first_draw=6, group_size=2, attempt=2)  # the same draws, re-issued
     ids = [t.extra["trajectory_id"] for t in first + second]
     assert ids[:4] == ["a1-d6-g0", "a1-d6-g1", "a1-d7-g0", "a1-d7-g1"]
     assert len(set(ids)) == 8

@@ -1,0 +1,6 @@
+"""The parts of the driver's loop (:mod:`services.driver` builds them and routes between
+them): ``bootstrap`` (run directory, retrieval, Ray, observability), ``fleet`` (rollout
+actors), ``pipeline`` (admission, the buffer, the learner step in flight), ``sync`` (weights
+to the engines), ``live_config`` (a new config into effect), ``checkpoint`` (driver state,
+crash-consistent checkpoints), ``report`` (records, metrics, progress, status) and
+``phases`` (warm start and evaluation). No part imports the driver."""
