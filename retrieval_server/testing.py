@@ -117,6 +117,15 @@ def start_server(
     raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the thread that started it ends, so a
+    ``kill -9`` of the driver leaves no orphaned server holding its port and memory."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+
 def _spawn(config: RetrievalServerConfig, log_path: Path, append: bool) -> RunningServer:
     url = f"http://{config.host}:{config.port}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -124,8 +133,9 @@ def _spawn(config: RetrievalServerConfig, log_path: Path, append: bool) -> Runni
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     with log_path.open("ab" if append else "wb") as log_file:
         process = subprocess.Popen(
-            _command(config), stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=root
-        )
+            _command(config), stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=root,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )  # fmt: skip
     return RunningServer(url=url, process=process, config=config, log_path=log_path)
 
 

@@ -86,8 +86,9 @@ def train(
 ) -> None:
     """Run the asynchronous actor-learner job (Ray actors, DeepSpeed learner, retrieval server).
 
-    Exit status: 0 finished; 2 bad config or a run directory refused (run.resume); 75
-    stopped by SIGTERM after a checkpoint (resume it); 1 any other failure."""
+    Exit status: 0 finished; 2 bad config or a run directory refused (run.resume); 74 the
+    disk filled up (the last complete checkpoint still resumes); 75 stopped by SIGTERM
+    after a checkpoint (resume it); 1 any other failure."""
     cfg = _load(config)
     from services.run_records import RunDirInUse, plan_start
 
@@ -101,7 +102,7 @@ def train(
 
     configure_local_caches(hub_online=is_hub_id(cfg.model.path))
     from services.driver import run_training
-    from services.run_records import EXIT_INTERRUPTED, TrainingInterrupted
+    from services.run_records import EXIT_DISK_FULL, EXIT_INTERRUPTED, TrainingInterrupted
 
     try:
         with _pid_file(os.environ.get("STPPO_PID_FILE")):
@@ -115,6 +116,18 @@ def train(
             err=True,
         )
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except OSError as e:
+        from services.atomic import DiskFullError, is_disk_full
+
+        if not is_disk_full(e):
+            raise
+        where = str(e) if isinstance(e, DiskFullError) else f"disk full: {e}"
+        typer.secho(
+            f"error: {where}; the last complete checkpoint still resumes once there is room",
+            fg=typer.colors.RED,
+            err=True,
+        )
+        raise typer.Exit(EXIT_DISK_FULL) from None
 
 
 @contextlib.contextmanager

@@ -31,8 +31,11 @@ from the rendered Secret.
 
 Where this differs from a real cluster (each is a deliberate, documented choice):
 
-- the "image" is this machine's project checkout and virtual environment, mounted
-  read-only (the interpreter's home under ``/root`` is re-exposed to uid 1000);
+- the "image" is this machine's project checkout and virtual environment, seen at their
+  own paths (the interpreter's home under ``/root`` is re-exposed to uid 1000; a checkout
+  under ``/tmp``, which each pod's private ``/tmp`` would hide, is bound back into the pod:
+  :func:`pod_command`); a path the pods cannot reach stops ``up`` before any pod starts
+  (:func:`check_image_visible`);
 - pods have no default route, so the head is started with ``--node-ip-address`` = its pod
   IP (KubeRay's pods have a default route and Ray finds that IP itself); the workers find
   theirs the way Ray does on a cluster, from the route to the head;
@@ -219,12 +222,75 @@ def _python_home_mounts(pod_root: Path) -> list[str]:
     return lines
 
 
-def pod_command(host: Host, pod: Pod, uid: int | None, read_only: tuple[str, ...]) -> list[str]:
+PRIVATE_DIRS = ("/tmp", "/dev/shm")
+"""Where every pod gets a directory of its own, covering the machine's."""
+
+IMAGE_STAGE = "/mnt"
+"""Where a pod's private tmpfs holds the image paths its private directories would hide,
+while those are mounted (any existing directory outside them would do)."""
+
+
+def image_paths() -> list[Path]:
+    """What every pod runs from, the "image": the checkout and the virtual environment
+    (one path when the environment is inside the checkout)."""
+    checkout, venv = PROJECT_ROOT.resolve(), Path(sys.prefix).resolve()
+    return [checkout] if checkout in venv.parents or venv == checkout else [checkout, venv]
+
+
+def _under(path: Path, directory: str) -> bool:
+    return Path(directory) in path.parents or path == Path(directory)
+
+
+def check_image_visible(paths: list[Path], uid: int = 1000) -> None:
+    """Before any pod starts: the pods run as ``uid`` and must reach ``paths``. A path under
+    a pod's private directories is bound back into the pod (:func:`pod_command`); elsewhere
+    every directory above it must let others traverse it, and it must be readable.
+
+    Raises:
+        ClusterError: naming the path that hides the image and why.
+    """
+    for path in paths:
+        if any(_under(path, d) for d in PRIVATE_DIRS):
+            continue  # re-exposed inside the pod at the same path
+        for parent in [*reversed(path.parents), path]:
+            mode = parent.stat().st_mode
+            if parent.is_dir() and not mode & 0o001:
+                raise ClusterError(
+                    f"the pods run as uid {uid} and cannot enter {parent} (mode "
+                    f"{oct(mode & 0o777)}), on the way to {path}: move the checkout under a "
+                    f"directory others may traverse, or `chmod o+x {parent}`"
+                )
+
+
+def _image_mounts(paths: list[Path]) -> tuple[list[str], list[str]]:
+    """Shell lines that keep the image paths a pod's private ``/tmp`` (or ``/dev/shm``)
+    would hide: bound to a private tmpfs before those are mounted, and back to their own
+    path after. Returns (before, after)."""
+    hidden = [p for p in paths if any(_under(p, d) for d in PRIVATE_DIRS)]
+    if not hidden:
+        return [], []
+    before = [f"mount -t tmpfs stppo-image {IMAGE_STAGE}"]
+    after = []
+    for i, path in enumerate(hidden):
+        stage, q_path = shlex.quote(f"{IMAGE_STAGE}/image{i}"), shlex.quote(str(path))
+        before.append(f"mkdir -p {stage} && mount --bind {q_path} {stage}")
+        after.append(f"mkdir -p {q_path} && mount --bind {stage} {q_path}")
+    return before, after
+
+
+def pod_command(
+    host: Host,
+    pod: Pod,
+    uid: int | None,
+    read_only: tuple[str, ...],
+    image: list[Path] | None = None,
+) -> list[str]:
     """The argv that starts ``pod.argv`` in ``host``'s namespaces: a private mount namespace
-    with ``pod.mounts`` bound (``read_only`` ones remounted read-only), then the command as
-    ``uid`` with exactly ``pod.env``."""
-    lines = []
-    lines += _python_home_mounts(host.root)
+    with ``pod.mounts`` bound (``read_only`` ones remounted read-only), the image
+    (:func:`image_paths`, or ``image``) visible at its own path even where it lives under
+    ``/tmp``, then the command as ``uid`` with exactly ``pod.env``."""
+    before, after = _image_mounts(image_paths() if image is None else image)
+    lines = [*_python_home_mounts(host.root), *before]
     # /tmp last: the other mounts' sources may live under the machine's /tmp (a test's
     # temporary directory), which the pod's own /tmp covers
     for target, source in sorted(pod.mounts.items(), key=lambda m: m[0] == "/tmp"):
@@ -232,6 +298,7 @@ def pod_command(host: Host, pod: Pod, uid: int | None, read_only: tuple[str, ...
         lines.append(f"mkdir -p {q_target} && mount --bind {q_source} {q_target}")
         if target in read_only:
             lines.append(f"mount -o remount,bind,ro {q_target}")
+    lines += after
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(pod.env.items()))
     run = shlex.join(pod.argv)
     user = f"setpriv --reuid={uid} --regid={uid} --clear-groups " if uid is not None else ""
@@ -315,6 +382,7 @@ class LocalCluster:
         why = netns_unavailable()
         if why:
             raise ClusterError(why)
+        check_image_visible(image_paths(), POD_UID)
         remove_all(self.prefix)
         if self.state_dir.exists():
             shutil.rmtree(self.state_dir)
