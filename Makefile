@@ -1,7 +1,7 @@
 # The two commands a newcomer runs (see README):
 #   make run    set everything up, then train SmolLM2-135M with ST-PPO on CPU (embedded default)
 #   make test   set everything up, then run the whole test suite
-.PHONY: run test setup lint mutation
+.PHONY: run test test-faults setup lint docs mutation
 
 run: setup
 	.venv/bin/stppo train @deploy/configs/cpu_demo.toml
@@ -19,11 +19,24 @@ test: setup
 	# exit 5 = pytest collected no tests: say so instead of a bare make error
 	.venv/bin/pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo 'no tests collected'; exit 0; fi; exit $$rc
 
+# Hard faults (marker faults; root, outside `make test`, ~35 min on 2 cores): kill -9 of the
+# driver at 20 moments and of the learner actor, a full disk during a checkpoint
+# (tests/integration/test_crash_faults.py), pods lost on the local cluster
+# (test_cluster_faults.py). -s prints the crash-consistency outcome table.
+test-faults: setup
+	.venv/bin/pytest -m faults -s tests/integration/test_crash_faults.py tests/integration/test_cluster_faults.py
+
 setup:
 	scripts/setup.sh
 
 lint:
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+
+# The docs site (mkdocs.yml) into site/: strict, so a broken link or anchor, an absolute
+# link or a page left out of the navigation fails the build. NO_MKDOCS_2_WARNING silences
+# the Material theme's banner about MkDocs 2.0, printed at every build.
+docs:
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
 # Mutation testing of the core modules ([tool.mutmut] in pyproject.toml; not part of `make
 # test`, ~10 min on 2 cores): every mutant must fail a test; the report lists survivors and

@@ -44,6 +44,7 @@ extra (``vllm`` 0.32.0, CUDA torch 2.13.0). Where neither is installed,
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -306,10 +307,54 @@ class VLLMEngine:
         self._policy_version = policy_version
 
 
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""The logger of vLLM 0.32's ``model_loader/reload/layerwise.py``."""
+
+_FAILED_TO_LOAD = "%s: Failed to load weights"
+"""The format string of its warning, as ``finalize_layerwise_processing`` logs it."""
+
+
+class RotaryReloadWarningFilter(logging.Filter):
+    """Drops vLLM's ``RotaryEmbedding: Failed to load weights`` warning, and only that one.
+
+    vLLM logs it at every layer-wise reload (every :meth:`VLLMEngine.load_weights`) for a
+    layer that loaded nothing although it holds tensors: ``finalize_layerwise_processing``
+    (vLLM 0.32 ``model_loader/reload/layerwise.py``) warns when ``load_numel == 0`` and
+    ``load_numel_total > 0``, then puts the layer's tensors back as they were. A rotary
+    embedding has no weights: its tensor is ``cos_sin_cache``, a non-persistent buffer
+    computed from the config (``rope_theta``, ``max_position_embeddings``) that no checkpoint
+    holds, so vLLM counts the buffer as loadable and the loaded count is always 0. Keeping
+    the cache as it was is the right result: it does not depend on the trained weights. The
+    warning reads as a failed weight sync; it is not one. The same warning for any other
+    layer (one whose weights really did not load) passes through, and
+    :meth:`VLLMEngine.load_weights` raises ``KeyError`` for parameters not loaded.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False (drop) for the rotary warning; True for every other record."""
+        if record.msg != _FAILED_TO_LOAD or not isinstance(record.args, tuple):
+            return True
+        return not (
+            len(record.args) == 1
+            and isinstance(record.args[0], str)
+            and record.args[0].endswith("RotaryEmbedding")
+        )
+
+
+def silence_rotary_reload_warning() -> None:
+    """Add :class:`RotaryReloadWarningFilter` to vLLM's layer-wise reload logger (once per
+    process; the logger exists before vLLM's module is imported, so any order works)."""
+    logger = logging.getLogger(_LAYERWISE_LOGGER)
+    if not any(isinstance(f, RotaryReloadWarningFilter) for f in logger.filters):
+        logger.addFilter(RotaryReloadWarningFilter())
+
+
 def _reload_in_place(worker, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
     """Runs inside the vLLM worker (``collective_rpc``): vLLM's layer-wise in-place reload
     (``reload.inplace.reload_weights`` without its disk path), returning the names the
-    model's loader filled so that the caller can check coverage."""
+    model's loader filled so that the caller can check coverage. The filter goes on here,
+    in the worker's process, where vLLM logs the rotary warning."""
+    silence_rotary_reload_warning()
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,

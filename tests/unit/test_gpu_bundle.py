@@ -1,5 +1,5 @@
 """``scripts/gpu_bundle.py``: the offline GPU bundle's wheel list stays in step with the
-project's pins and the README's recipe; an incomplete wheel folder is refused before pip
+project's pins and the GPU docs page's recipe; an incomplete wheel folder is refused before pip
 runs. (The install itself, end to end: ``tests/integration/test_gpu_smoke_offline.py``.)"""
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ def test_bundled_versions_are_the_project_pins():
     assert pinned == {n: pins[n] for n in pinned}
 
 
-def test_readme_recipe_names_every_bundled_wheel():
-    readme = (PROJECT_ROOT / "README.md").read_text()
+def test_gpu_page_recipe_names_every_bundled_wheel():
+    page = (PROJECT_ROOT / "docs" / "gpu.md").read_text()
     for name, version in gpu_bundle.WHEELS.items():
-        assert f"{name}=={version}" in readme, name
+        assert f"{name}=={version}" in page, name
 
 
 def test_download_command_is_binary_only_for_python_312_manylinux(tmp_path: Path):
