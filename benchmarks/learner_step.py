@@ -35,7 +35,7 @@ reference forward is ``F_pol = backbone*N + head*N_pol`` (the objective needs lo
 policy tokens only), a critic forward ``F_crit = backbone*N``, and a backward twice its
 forward. One RL step is::
 
-    F_pol (reference) + [critic] F_crit (old values) + [decoupled] F_pol (proximal)
+    F_pol (reference) + [critic] F_crit (old values) + [decoupled, recomputed] F_pol (proximal)
     + epochs * (3 F_pol + [critic] 3 F_crit + [scale_target = loss] F_pol + [param] 3 F_pol)
 
 and one SFT step ``3 F_pol``. The matmul bound is FLOPs / R, where R is the rate of a
@@ -87,6 +87,7 @@ from learner.batch import collate_trajectories  # noqa: E402
 from learner.config import (  # noqa: E402
     VARIANT_CONFIGS,
     LearnerConfig,
+    PPOConfig,
     STPPOConfig,
     uses_bias_correction,
     uses_critic,
@@ -96,6 +97,8 @@ from learner.trainer import Learner  # noqa: E402
 
 VARIANTS = {name: cls() for name, cls in VARIANT_CONFIGS.items()}
 VARIANTS["st_ppo/param"] = STPPOConfig(bias_norm="param")
+# the log-linear proximal (learner.corrections): no proximal forward per step
+VARIANTS["ppo/loglinear"] = PPOConfig(proximal="loglinear")
 
 PATHS = {
     "old": {"logprob_chunk_tokens": 0, "micro_batch_tokens": 0},
@@ -188,7 +191,8 @@ def step_flops(algorithm, model_config, num_tokens: int, num_policy: int, epochs
         return 3.0 * policy
     gae = uses_critic(algorithm)
     total = policy + (critic if gae else 0.0)
-    total += policy if algorithm.off_policy == "decoupled" else 0.0
+    recompute = algorithm.off_policy == "decoupled" and algorithm.proximal == "recompute"
+    total += policy if recompute else 0.0
     per_epoch = 3.0 * policy + (3.0 * critic if gae else 0.0)
     if uses_bias_correction(algorithm):
         if algorithm.bias_norm == "param":
@@ -534,6 +538,7 @@ def main() -> None:
                     "peak_gpu_allocated_gib": max(gpu_peaks[(name, path)]) if on_gpu else None,
                     "loss": metrics.get("loss", metrics.get("pg_loss")),
                     "entropy": metrics.get("entropy"),
+                    "proximal_approx_abs_error": metrics.get("proximal_approx_abs_error"),
                 }
             )
     result = {
