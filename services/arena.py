@@ -43,6 +43,7 @@ from services.run_records import read_records
 from services.stability import (
     _finite,
     _mean,
+    _series,
     iqm,
     iqm_ci,
     mean_ci,
@@ -91,10 +92,6 @@ class ArenaRun:
     wall_s: float = math.nan
     """From the run's ``config.json`` (written at its start) to its last ``eval.jsonl``
     record (the final evaluation), by file modification times."""
-
-
-def _series(steps: list[dict[str, Any]], key: str) -> list[float]:
-    return [float(s[key]) if isinstance(s.get(key), int | float) else math.nan for s in steps]
 
 
 def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> ArenaRun:
