@@ -12,7 +12,8 @@ and ``config.json`` (the live config when it was taken). It is written crash-con
 
 A ``kill -9`` or a full disk at any moment leaves either the previous checkpoint named by
 ``latest``, or the new one complete. A checkpoint is complete only when its manifest
-matches its files (:func:`checkpoint_problem`); an incomplete or partial one is never
+matches its files (:func:`checkpoint_problem`; a ``step_N`` folder from before manifests,
+with a readable ``driver_state.json``, is taken as written); an incomplete or partial one is never
 resumed from, and :meth:`CheckpointStore.sweep` moves it to ``checkpoints/incomplete/``
 with its reason. Ray-free: the learner's part is written by a callable.
 """
@@ -98,6 +99,14 @@ def checkpoint_problem(directory: Path) -> str | None:
     exists, parses, and every file it lists exists with its size (and hash)."""
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
+        # a step_N folder without a manifest was written before manifests existed (new ones
+        # are renamed from step_N.partial after it): complete if its state reads
+        try:
+            legacy = json.loads((directory / "driver_state.json").read_text())
+            if isinstance(legacy, dict) and "learner_step" in legacy:
+                return None
+        except (OSError, ValueError):
+            pass
         return "no manifest.json (the checkpoint was not finished)"
     try:
         manifest = json.loads(manifest_path.read_text())

@@ -111,6 +111,7 @@ def fired(
     return "questions, ETA" in new_log  # an evaluation in progress
 
 
+@pytest.mark.timeout(3600)
 def test_kill_9_anywhere_resumes_with_nothing_lost_or_trained_twice(tmp_path: Path):
     rng = random.Random(0)
     run_dir = tmp_path / "runs" / "crash"
@@ -180,6 +181,7 @@ def check_records(run_dir: Path, reference_dir: Path) -> None:
         assert state[key] == ref_state[key], key
 
 
+@pytest.mark.timeout(1800)
 def test_a_killed_learner_actor_is_a_failed_run_that_resumes(tmp_path: Path):
     run_dir = tmp_path / "runs" / "learner"
     log = tmp_path / "console.log"
@@ -203,6 +205,7 @@ def test_a_killed_learner_actor_is_a_failed_run_that_resumes(tmp_path: Path):
     assert len(ids) == len(set(ids)) == NUM_STEPS * BATCH
 
 
+@pytest.mark.timeout(1800)
 def test_a_full_disk_stops_with_one_line_and_the_last_checkpoint_resumes(tmp_path: Path):
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -69,6 +69,11 @@ def test_damaged_or_partial_checkpoints_are_never_resumed_and_are_moved_aside(tm
     assert set(moved) == {"step_000004", "step_000006", "step_000008.partial"}
     assert [p.name for p in root.glob("step_*")] == ["step_000002"]
     assert len(list((root / "incomplete").iterdir())) == 3
+    # a checkpoint from before manifests (driver_state.json readable) still resumes
+    legacy = root / "step_000010"
+    legacy.mkdir()
+    (legacy / "driver_state.json").write_text('{"learner_step": 10}')
+    assert checkpoint_problem(legacy) is None and store.latest() == legacy
     # a changed small file is caught by its hash
     (good / "config.json").write_text(json.dumps({"run": {"name": "y"}}, indent=2))
     assert checkpoint_problem(good) == "config.json does not match its SHA-256"
