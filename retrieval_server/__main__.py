@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -65,9 +69,38 @@ def parse_config(args: argparse.Namespace) -> RetrievalServerConfig:
     return RetrievalServerConfig.model_validate(given)
 
 
+PARENT_PID_ENV = "RETRIEVAL_SERVER_PARENT_PID"
+"""Set by :func:`retrieval_server.testing.start_server`: the server stops once that process
+is gone (it was reparented), so a ``kill -9`` of a driver leaves no server holding its port."""
+
+
+def watch_parent(parent_pid: int, interval_s: float = 0.5) -> threading.Thread:
+    """Sends this process SIGTERM (uvicorn's graceful stop) once its parent is no longer
+    ``parent_pid``: the parent died and the process was reparented to init or a subreaper.
+
+    Unlike ``PR_SET_PDEATHSIG``, which fires when the *thread* that forked the child ends,
+    this follows the parent process, so a server started from a short-lived thread (the
+    supervisor's restarts) lives as long as the process that started it.
+
+    Returns:
+        the daemon thread that polls ``os.getppid()`` every ``interval_s`` seconds.
+    """
+
+    def poll() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=poll, name="watch-parent", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    if os.environ.get(PARENT_PID_ENV):
+        watch_parent(int(os.environ[PARENT_PID_ENV]))
     try:
         config = parse_config(args)
     except ValidationError as exc:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from retrieval_server.__main__ import PARENT_PID_ENV
 from retrieval_server.config import RetrievalServerConfig
 
 FIXTURE_CORPUS = Path(__file__).resolve().parent.parent / "tests/fixtures/retrieval/passages.jsonl"
@@ -117,25 +118,19 @@ def start_server(
     raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the thread that started it ends, so a
-    ``kill -9`` of the driver leaves no orphaned server holding its port and memory."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
-
-
 def _spawn(config: RetrievalServerConfig, log_path: Path, append: bool) -> RunningServer:
     url = f"http://{config.host}:{config.port}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    # the server exits when this process does (a kill -9 of the driver leaves no orphan
+    # holding the port); PR_SET_PDEATHSIG would fire when the starting *thread* ends, and
+    # the supervisor restarts servers from short-lived threads
+    env[PARENT_PID_ENV] = str(os.getpid())
     with log_path.open("ab" if append else "wb") as log_file:
         process = subprocess.Popen(
-            _command(config), stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=root,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )  # fmt: skip
+            _command(config), stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=root
+        )
     return RunningServer(url=url, process=process, config=config, log_path=log_path)
 
 
