@@ -97,8 +97,10 @@ from learner.trainer import Learner  # noqa: E402
 
 VARIANTS = {name: cls() for name, cls in VARIANT_CONFIGS.items()}
 VARIANTS["st_ppo/param"] = STPPOConfig(bias_norm="param")
-# the log-linear proximal (learner.corrections): no proximal forward per step
-VARIANTS["ppo/loglinear"] = PPOConfig(proximal="loglinear")
+# the decoupled objective recomputes the proximal log-probs (one policy forward per step);
+# the log-linear proximal (learner.corrections) approximates them without that forward
+VARIANTS["ppo/decoupled"] = PPOConfig(off_policy="decoupled")
+VARIANTS["ppo/loglinear"] = PPOConfig(off_policy="decoupled", proximal="loglinear")
 
 PATHS = {
     "old": {"logprob_chunk_tokens": 0, "micro_batch_tokens": 0},

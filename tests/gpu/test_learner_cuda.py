@@ -54,7 +54,7 @@ def bf16_learner(tiny_llama_dir: Path) -> Learner:
 @pytest.mark.parametrize("variant", list(VARIANT_CONFIGS))
 def test_every_variant_steps_on_cuda_bf16(bf16_learner: Learner, variant: str):
     # ratios against the behaviour log-probs (drawn far from the model's: tokens clip); the
-    # default `decoupled` ratio is against the proximal policy, 1 at the first mini-batch
+    # `decoupled` ratio is against the proximal policy, 1 at the first mini-batch
     bf16_learner.set_algorithm(VARIANT_CONFIGS[variant](off_policy="behavior"))
     before = bf16_learner.export_weights().state_dict
     version = bf16_learner.policy_version

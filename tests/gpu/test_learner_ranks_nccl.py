@@ -24,7 +24,7 @@ RTOL, ATOL = 1e-4, 1e-6
 """CUDA kernels may reduce in another order than the CPU ones and than each other."""
 
 VARIANTS = {
-    "ppo": PPOConfig(),
+    "ppo": PPOConfig(off_policy="decoupled"),  # proximal log-probs all-gathered
     "st_ppo": STPPOConfig(tau=1e-3, off_policy="behavior"),
     "so_grpo": SOGRPOConfig(tau=1e-3, off_policy="behavior"),
 }

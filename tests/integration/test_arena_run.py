@@ -59,6 +59,7 @@ def test_a_two_method_arena_writes_its_leaderboard(tmp_path: Path):
         '"algorithm.off_policy" = "behavior"',
         "[methods.ppo_icepop]",
         '"algorithm.variant" = "ppo"',
+        '"algorithm.off_policy" = "decoupled"',
         '"algorithm.rollout_correction.is_cap" = 5.0',
         '"algorithm.rollout_correction.mask_level" = "token"',
         '"algorithm.rollout_correction.mask_low" = 0.5',

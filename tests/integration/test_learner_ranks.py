@@ -141,7 +141,7 @@ def assert_same_metrics(actual, expected, *, rtol: float, atol: float) -> None:
 
 
 VARIANTS = {  # ppo: decoupled (proximal log-probs all-gathered); the others clip from token 1
-    "ppo": PPOConfig(),
+    "ppo": PPOConfig(off_policy="decoupled"),
     "st_ppo": STPPOConfig(tau=1e-3, off_policy="behavior"),
     "so_grpo": SOGRPOConfig(tau=1e-3, off_policy="behavior"),
 }

@@ -54,13 +54,16 @@ CASES = [
     ("gspo", {"off_policy": "behavior"}),
     ("cispo", {"off_policy": "behavior"}),
     # sequence TIS (product) and a sequence Geo-RS mask; IcePop with M2PO on top
-    ("ppo", {"rollout_correction": {"is_level": "sequence", "is_cap": 3.0,
+    ("ppo", {"off_policy": "decoupled",
+             "rollout_correction": {"is_level": "sequence", "is_cap": 3.0,
                                     "mask_level": "sequence", "mask_low": 0.9}}),
-    ("turn_ppo", {"rollout_correction": {"is_level": "token", "is_cap": 5.0, "mask_level": "token",
+    ("turn_ppo", {"off_policy": "decoupled",
+                  "rollout_correction": {"is_level": "token", "is_cap": 5.0, "mask_level": "token",
                                          "mask_low": 0.5, "mask_high": 5.0},
                   "m2po_threshold": 0.5}),
     # the log-linear proximal at the step's first update is the recomputed one
-    ("ppo", {"proximal": "loglinear", "rollout_correction": {"is_level": "turn"}}),
+    ("ppo", {"off_policy": "decoupled", "proximal": "loglinear",
+             "rollout_correction": {"is_level": "turn"}}),
 ]  # fmt: skip
 
 

@@ -302,7 +302,8 @@ def method_spec(**extra) -> ExperimentSpec:
         "extra_points": [{"method": "plain", "buffer.max_staleness": 0}],
         "methods": {
             "plain": {"algorithm.variant": "ppo", "algorithm.off_policy": "behavior"},
-            "tis3": {"algorithm.variant": "ppo", "algorithm.rollout_correction.is_cap": 3.0},
+            "tis3": {"algorithm.variant": "ppo", "algorithm.off_policy": "decoupled",
+                     "algorithm.rollout_correction.is_cap": 3.0},
         },
         **extra,
     })  # fmt: skip

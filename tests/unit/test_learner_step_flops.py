@@ -43,7 +43,7 @@ def test_step_flops_by_variant():
     pol = BACKBONE * n + HEAD * n_pol
     crit = BACKBONE * n
     # st_ppo (decoupled, critic): reference + old values + proximal, then 3 x policy + 3 x critic
-    assert step_flops(STPPOConfig(), SMOLLM2, n, n_pol, 1) == pytest.approx(
+    assert step_flops(STPPOConfig(off_policy="decoupled"), SMOLLM2, n, n_pol, 1) == pytest.approx(
         pol + crit + pol + 3 * pol + 3 * crit
     )
     # ppo with the behaviour policy: no proximal forward; two epochs

@@ -119,7 +119,7 @@ def test_config_defaults_and_validation():
     cfg = STPPOConfig()
     assert (cfg.kl_estimator, cfg.off_policy, cfg.scale_target) == (
         "low_var_kl",
-        "decoupled",
+        "behavior",
         "update",
     )
     assert cfg.token_log_ratio_bound == 0.4 and cfg.clip_ratio_c == 3.0
@@ -141,7 +141,12 @@ def test_config_defaults_and_validation():
     with pytest.raises(ValidationError, match="loglinear"):
         PPOConfig(off_policy="behavior", proximal="loglinear")
     with pytest.raises(ValidationError, match="bias_norm = 'param'"):
-        STPPOConfig(bias_norm="param", proximal="loglinear")
+        STPPOConfig(off_policy="decoupled", bias_norm="param", proximal="loglinear")
+    # a rollout correction is the decoupled objective's: with the behaviour ratio it would
+    # silently do nothing
+    with pytest.raises(ValidationError, match="rollout_correction weighs the decoupled"):
+        PPOConfig.model_validate({"rollout_correction": {"is_level": "sequence"}})
+    assert PPOConfig(off_policy="decoupled", rollout_correction={"is_level": "sequence"})
 
 
 def test_token_bound_acts_only_in_the_advantage_direction_and_only_beyond_the_bound():
