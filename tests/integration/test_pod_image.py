@@ -50,12 +50,15 @@ def test_a_checkout_under_tmp_is_visible_in_the_pod(host, tmp_path: Path):
     script = checkout / "hello.py"
     script.write_text("import os; print('hello from', os.getuid())\n")
     os.chmod(checkout, 0o755)
-    seen = run_in_pod(host, script, image=[checkout])
+    # the interpreter's environment is part of the image too (this test's own clone may
+    # live under /tmp: a CI checkout there once failed here with "python: not found")
+    venv = Path(sys.prefix).resolve()
+    seen = run_in_pod(host, script, image=[checkout, venv])
     assert seen.returncode == 0, seen.stderr
     assert seen.stdout.strip() == "hello from 1000"
-    # without the image mounts the pod's private /tmp hides it (what pods used to do)
-    hidden = run_in_pod(host, script, image=[])
-    assert hidden.returncode != 0 and "No such file or directory" in hidden.stderr
+    # without the checkout's mount the pod's private /tmp hides it (what pods used to do)
+    hidden = run_in_pod(host, script, image=[venv])
+    assert hidden.returncode != 0 and f"{script}': [Errno 2] No such file" in hidden.stderr
 
 
 def test_a_checkout_the_pods_cannot_enter_is_refused_before_any_pod_starts(tmp_path: Path):
