@@ -66,6 +66,20 @@ _SELF_INIT_ENV = "STPPO_SELF_INIT_DISTRIBUTED"
 """Set to ``1`` when :func:`init_single_process_distributed` chose ``MASTER_PORT`` itself."""
 
 
+def import_deepspeed() -> Any:
+    """``import deepspeed``, telling it the accelerator where torch sees no CUDA device.
+
+    DeepSpeed picks the CPU accelerator itself then, but logs a WARNING ("Setting
+    accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
+    it") that a CPU run should not print. ``DS_ACCELERATOR`` set by the user wins.
+    """
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    return deepspeed
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -115,7 +129,7 @@ def init_rank_distributed(
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a group of {world_size}")
-    import deepspeed
+    deepspeed = import_deepspeed()
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -236,7 +250,7 @@ def init_single_process_distributed(backend: str = "gloo") -> DistributedInfo:
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    import deepspeed
+    deepspeed = import_deepspeed()
     import torch.distributed as dist
 
     if not dist.is_initialized():

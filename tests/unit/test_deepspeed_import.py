@@ -1,0 +1,37 @@
+"""A CPU run prints no DeepSpeed accelerator WARNING: :func:`learner.distributed.import_deepspeed`
+names the CPU accelerator where torch sees no CUDA device (DeepSpeed would pick it anyway,
+with a warning a user has to wonder about)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+WARNING = "Setting accelerator to CPU"
+
+
+def _stderr(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+        timeout=300, check=True,
+    )  # fmt: skip
+    return done.stdout + done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is a no-CUDA one")
+def test_deepspeed_on_cpu_without_the_accelerator_warning():
+    assert WARNING in _stderr("import deepspeed")  # what a plain import prints here
+    quiet = _stderr(
+        "from learner.distributed import import_deepspeed\n"
+        "ds = import_deepspeed()\n"
+        "print(ds.get_accelerator().device_name())\n"
+    )
+    assert WARNING not in quiet and quiet.strip().endswith("cpu")
