@@ -66,15 +66,22 @@ _SELF_INIT_ENV = "STPPO_SELF_INIT_DISTRIBUTED"
 """Set to ``1`` when :func:`init_single_process_distributed` chose ``MASTER_PORT`` itself."""
 
 
-def import_deepspeed() -> Any:
-    """``import deepspeed``, telling it the accelerator where torch sees no CUDA device.
+def name_cpu_accelerator() -> None:
+    """Set ``DS_ACCELERATOR=cpu`` where torch sees no CUDA device (and the user set none).
 
     DeepSpeed picks the CPU accelerator itself then, but logs a WARNING ("Setting
     accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
-    it") that a CPU run should not print. ``DS_ACCELERATOR`` set by the user wins.
+    it") wherever it is imported, also by ``accelerate`` under ``transformers``'
+    ``from_pretrained``. The variable reaches the processes started after it (Ray workers,
+    spawned runs).
     """
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def import_deepspeed() -> Any:
+    """``import deepspeed`` after :func:`name_cpu_accelerator`."""
+    name_cpu_accelerator()
     import deepspeed
 
     return deepspeed

@@ -548,8 +548,16 @@ def ctl_set(
     _ctl_call("PATCH", url, token, "/config", body)
 
 
+MODEL_COMMANDS = frozenset({"train", "prepare", "prepare-synthetic", "eval", "experiment"})
+"""Commands that load models (transformers, DeepSpeed); the others stay free of torch."""
+
+
 def main() -> None:
     """Console-script entry point (``[project.scripts] stppo``)."""
+    if len(sys.argv) > 1 and sys.argv[1] in MODEL_COMMANDS:
+        from learner.distributed import name_cpu_accelerator
+
+        name_cpu_accelerator()  # no DeepSpeed accelerator WARNING on a CPU machine
     app(prog_name="stppo")
 
 

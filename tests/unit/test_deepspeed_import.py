@@ -35,3 +35,16 @@ def test_deepspeed_on_cpu_without_the_accelerator_warning():
         "print(ds.get_accelerator().device_name())\n"
     )
     assert WARNING not in quiet and quiet.strip().endswith("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the variable is set only without CUDA")
+def test_model_commands_name_the_cpu_accelerator_and_the_others_skip_torch():
+    code = (
+        "import os, sys\n"
+        "sys.argv = ['stppo', {command!r}, '--help']\n"
+        "from services.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('DS', os.environ.get('DS_ACCELERATOR'), 'torch' in sys.modules)\n"
+    )
+    assert _stderr(code.format(command="prepare")).strip().endswith("DS cpu True")
+    assert _stderr(code.format(command="ctl")).strip().endswith("DS None False")
