@@ -9,70 +9,49 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_experiment import build_tiny_task, tiny_run_overrides, write_experiment
 
-from services.env import PROJECT_ROOT
-from services.experiment import run_experiment
-from services.synthetic_task import SyntheticSpec, build_synthetic
+from services.experiment import read_jsonl, run_experiment
 
 pytestmark = pytest.mark.integration
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
 def test_a_two_method_arena_writes_its_leaderboard(tmp_path: Path):
     data = tmp_path / "synthetic"
-    build_synthetic(data, SyntheticSpec(num_records=60, hidden_size=32, num_layers=1,
-                                        num_heads=2, intermediate_size=64))  # fmt: skip
-    overrides = {
-        "model.path": str(data / "model" / "tiny-llama"),
-        "data.qa_dir": str(data / "qa"),
-        "retrieval.server.corpus_path": str(data / "corpus" / "passages.jsonl"),
-        "retrieval.server.index_dir": str(data / "index"),
+    build_tiny_task(data)
+    overrides = tiny_run_overrides(data) | {
         "sft.enabled": False,
-        "run.eval_questions": 2,
-        "rollout.prompts_per_batch": 2,
-        "rollout.max_turns": 2,
-        "rollout.max_new_tokens_per_turn": 12,
         "learner.train_batch_size": 4,
         "learner.mini_batch_size": 2,
         "learner.micro_batch_size": 2,
-        "ray.rollout_actor_cpus": 0.5,
     }
     experiments = tmp_path / "experiments"
-    experiments.mkdir()
-    lines = [
-        f'base_config = "{PROJECT_ROOT / "deploy" / "configs" / "synthetic.toml"}"',
-        "seeds = [0]",
-        "num_steps = 3",
-        "parallel_runs = 2",
-        "leaderboard = true",
-        'baseline_method = "ppo_behavior"',
-        "[grid]",
-        'method = ["ppo_behavior", "ppo_icepop"]',
-        '"buffer.max_staleness" = [1]',
-        "[overrides]",
-        *(f'"{k}" = {json.dumps(v)}' for k, v in overrides.items()),
-        "[methods.ppo_behavior]",
-        '"algorithm.variant" = "ppo"',
-        '"algorithm.off_policy" = "behavior"',
-        "[methods.ppo_icepop]",
-        '"algorithm.variant" = "ppo"',
-        '"algorithm.off_policy" = "decoupled"',
-        '"algorithm.rollout_correction.is_cap" = 5.0',
-        '"algorithm.rollout_correction.mask_level" = "token"',
-        '"algorithm.rollout_correction.mask_low" = 0.5',
-        '"algorithm.rollout_correction.mask_high" = 5.0',
-    ]
-    (experiments / "tiny_arena.toml").write_text("\n".join(lines) + "\n")
+    write_experiment(
+        experiments,
+        "tiny_arena",
+        {"seeds": [0], "num_steps": 3, "parallel_runs": 2, "leaderboard": True,
+         "baseline_method": "ppo_behavior"},
+        {
+            "grid": {"method": ["ppo_behavior", "ppo_icepop"], "buffer.max_staleness": [1]},
+            "overrides": overrides,
+            "methods.ppo_behavior": {"algorithm.variant": "ppo", "algorithm.off_policy": "behavior"},
+            "methods.ppo_icepop": {
+                "algorithm.variant": "ppo",
+                "algorithm.off_policy": "decoupled",
+                "algorithm.rollout_correction.is_cap": 5.0,
+                "algorithm.rollout_correction.mask_level": "token",
+                "algorithm.rollout_correction.mask_low": 0.5,
+                "algorithm.rollout_correction.mask_high": 5.0,
+            },
+        },
+    )  # fmt: skip
 
     run_experiment("tiny_arena", tmp_path / "runs", experiments_dir=experiments)
 
     out = tmp_path / "runs" / "tiny_arena"
     for method in ("ppo_behavior", "ppo_icepop"):
         run = out / f"method-{method}_max_staleness-1_seed-0"
-        steps = _lines(run / "steps.jsonl")
+        steps = read_jsonl(run / "steps.jsonl", "step")
         assert [s["step"] for s in steps] == [1, 2, 3]
         config = json.loads((run / "config.json").read_text())
         assert config["run"]["label"] == method

@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_experiment import build_tiny_task, tiny_run_overrides, write_experiment
 
 from services.env import PROJECT_ROOT
 from services.experiment import run_experiment
-from services.synthetic_task import SyntheticSpec, build_synthetic
 
 pytestmark = pytest.mark.integration
 
@@ -28,18 +28,9 @@ def _lines(path: Path) -> list[dict]:
 
 def test_stability_grid_short(tmp_path: Path):
     data = tmp_path / "synthetic"
-    report = build_synthetic(data, SyntheticSpec(num_records=60, hidden_size=32, num_layers=1,
-                                                 num_heads=2, intermediate_size=64))  # fmt: skip
+    report = build_tiny_task(data)
     assert report.built and report.num_records == 60
-    overrides = {
-        "model.path": str(data / "model" / "tiny-llama"),
-        "data.qa_dir": str(data / "qa"),
-        "retrieval.server.corpus_path": str(data / "corpus" / "passages.jsonl"),
-        "retrieval.server.index_dir": str(data / "index"),
-        "run.eval_questions": 2,
-        "rollout.prompts_per_batch": 2,
-        "rollout.max_turns": 2,
-        "rollout.max_new_tokens_per_turn": 12,
+    overrides = tiny_run_overrides(data) | {
         "learner.train_batch_size": BATCH,
         "learner.mini_batch_size": BATCH,
         "learner.micro_batch_size": BATCH,
@@ -48,23 +39,17 @@ def test_stability_grid_short(tmp_path: Path):
         "run.eval_sampled": True,
         "sft.epochs": 1,
         "sft.batch_size": 8,
-        "ray.rollout_actor_cpus": 0.5,
     }
     experiments = tmp_path / "experiments"
-    experiments.mkdir()
-    lines = [
-        f'base_config = "{PROJECT_ROOT / "deploy" / "configs" / "synthetic.toml"}"',
-        "seeds = [0, 1]",
-        f"num_steps = {STEPS}",
-        "cells = true",
-        "parallel_runs = 2",
-        "[grid]",
-        '"algorithm.variant" = ["st_ppo"]',
-        f'"buffer.max_staleness" = [{LAG}]',
-        "[overrides]",
-        *(f'"{k}" = {json.dumps(v)}' for k, v in overrides.items()),
-    ]
-    (experiments / "short.toml").write_text("\n".join(lines) + "\n")
+    write_experiment(
+        experiments,
+        "short",
+        {"seeds": [0, 1], "num_steps": STEPS, "cells": True, "parallel_runs": 2},
+        {
+            "grid": {"algorithm.variant": ["st_ppo"], "buffer.max_staleness": [LAG]},
+            "overrides": overrides,
+        },
+    )
 
     result = run_experiment("short", tmp_path / "runs", experiments_dir=experiments)
 
