@@ -342,12 +342,18 @@ class RotaryReloadWarningFilter(logging.Filter):
         )
 
 
+def _add_filter_once(logger_name: str, filter_type: type[logging.Filter]) -> None:
+    """Add a ``filter_type()`` to the named logger unless it has one. A logger exists
+    before the module that logs to it is imported, so any order works."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, filter_type) for f in logger.filters):
+        logger.addFilter(filter_type())
+
+
 def silence_rotary_reload_warning() -> None:
     """Add :class:`RotaryReloadWarningFilter` to vLLM's layer-wise reload logger (once per
-    process; the logger exists before vLLM's module is imported, so any order works)."""
-    logger = logging.getLogger(_LAYERWISE_LOGGER)
-    if not any(isinstance(f, RotaryReloadWarningFilter) for f in logger.filters):
-        logger.addFilter(RotaryReloadWarningFilter())
+    process)."""
+    _add_filter_once(_LAYERWISE_LOGGER, RotaryReloadWarningFilter)
 
 
 VLLM_STARTUP_NOTES: dict[str, str] = {
@@ -402,9 +408,7 @@ def quiet_vllm_cpu_startup() -> None:
         "ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning
     )
     for name in _NOTE_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, VLLMStartupNoteFilter) for f in logger.filters):
-            logger.addFilter(VLLMStartupNoteFilter())
+        _add_filter_once(name, VLLMStartupNoteFilter)
 
 
 def _reload_in_place(worker, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
