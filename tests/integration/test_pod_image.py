@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from services.local_cluster import ClusterError, Pod, check_image_visible, pod_command
+from services.local_cluster import (
+    ClusterError,
+    Pod,
+    check_image_visible,
+    image_paths,
+    pod_command,
+)
 from services.netns import Network, netns_unavailable, remove_all
 
 PREFIX = "stimg"
@@ -50,14 +56,14 @@ def test_a_checkout_under_tmp_is_visible_in_the_pod(host, tmp_path: Path):
     script = checkout / "hello.py"
     script.write_text("import os; print('hello from', os.getuid())\n")
     os.chmod(checkout, 0o755)
-    # the interpreter's environment is part of the image too (this test's own clone may
-    # live under /tmp: a CI checkout there once failed here with "python: not found")
-    venv = Path(sys.prefix).resolve()
-    seen = run_in_pod(host, script, image=[checkout, venv])
+    # the project's own image (checkout and venv) runs the interpreter: this test's clone
+    # may live under /tmp too (a CI checkout there once failed here, "python: not found")
+    project = image_paths()
+    seen = run_in_pod(host, script, image=[checkout, *project])
     assert seen.returncode == 0, seen.stderr
     assert seen.stdout.strip() == "hello from 1000"
     # without the checkout's mount the pod's private /tmp hides it (what pods used to do)
-    hidden = run_in_pod(host, script, image=[venv])
+    hidden = run_in_pod(host, script, image=project)
     assert hidden.returncode != 0 and f"{script}': [Errno 2] No such file" in hidden.stderr
 
 
