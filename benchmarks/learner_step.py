@@ -14,7 +14,21 @@ Code paths (``--paths``), switched on the same learner in the same process:
 - ``chunked``: log-probs and entropy through the LM head in chunks, policy tokens only
   (``logprob_chunk_tokens = 512``, :mod:`learner.logprobs`), micro-batches as ``old``;
 - ``new``: ``chunked`` and micro-batches by a token budget of 1,024 padded slots
-  (``micro_batch_tokens``, :func:`learner.batch.token_budget_micro_batches`).
+  (``micro_batch_tokens``, :func:`learner.batch.token_budget_micro_batches`);
+- ``packed``: ``new`` with every forward on the micro-batch's trajectories packed without
+  padding (``pack_sequences``, :mod:`learner.packing`), the budget counting real tokens.
+
+``--micro-tokens`` sets the budget of ``new`` and ``packed``; -1 sizes it from the memory
+free after the models are loaded (``micro_batch_tokens = -1``,
+:func:`learner.batch.memory_token_budget`).
+
+Model shapes (``--shape``, random weights with the project's tokenizer; implies
+``--random-init``): ``135m`` is SmolLM2-135M's own config, ``360m`` and ``1.7b``
+SmolLM2-360M's and SmolLM2-1.7B's (hidden, layers, heads, intermediate), ``3b`` Llama-3.2-3B's
+(hidden 3072, 28 layers, 24 heads of which 8 key-value, intermediate 8192), all with the
+SmolLM2 vocabulary of 49,152 and tied embeddings. ``--gradient-checkpointing`` recomputes
+activations in backward (what the 3B shape needs on one GPU beside its critic and
+reference). On CUDA the optimizer is the fused AdamW (``learner.fused_adamw``).
 
 Batches (``--lengths``): ``uniform`` is the old benchmark's (``--turns`` turns of
 ``--turn-tokens`` policy tokens between ``--info-tokens`` information tokens, all equal);
@@ -93,7 +107,7 @@ from learner.config import (  # noqa: E402
     uses_critic,
 )
 from learner.modeling import response_logits, token_logprobs  # noqa: E402
-from learner.trainer import Learner  # noqa: E402
+from learner.trainer import Learner, use_fused_adamw  # noqa: E402
 
 VARIANTS = {name: cls() for name, cls in VARIANT_CONFIGS.items()}
 VARIANTS["st_ppo/param"] = STPPOConfig(bias_norm="param")
@@ -106,6 +120,7 @@ PATHS = {
     "old": {"logprob_chunk_tokens": 0, "micro_batch_tokens": 0},
     "chunked": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 0},
     "new": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 1024},
+    "packed": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 1024, "pack_sequences": True},
 }
 """LearnerConfig overrides of each code path (see the module docstring)."""
 
@@ -142,17 +157,62 @@ def _hwm_gib() -> float:
     return float("nan")
 
 
-def _random_init_copy(model_dir: Path, seed: int) -> Path:
-    """A model folder with ``model_dir``'s config and tokenizer and random weights."""
+SHAPES: dict[str, dict[str, int]] = {
+    "135m": {},
+    "360m": {
+        "hidden_size": 960, "num_hidden_layers": 32, "num_attention_heads": 15,
+        "num_key_value_heads": 5, "intermediate_size": 2560,
+    },
+    "1.7b": {
+        "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "intermediate_size": 8192,
+    },
+    "3b": {
+        "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24,
+        "num_key_value_heads": 8, "intermediate_size": 8192,
+    },
+}  # fmt: skip
+"""``--shape``: overrides of SmolLM2-135M's config.json (module docstring)."""
+
+
+def path_config(path: str, path_configs: dict[str, dict]) -> dict:
+    """LearnerConfig overrides of ``path``: a name of :data:`PATHS`, optionally ``@budget``
+    (e.g. ``packed@4096``: that path at a micro-batch token budget of 4,096; -1: from free
+    memory).
+
+    Raises:
+        ValueError: an unknown path name or a budget on a path without one.
+    """
+    name, _, budget = path.partition("@")
+    if name not in path_configs:
+        raise ValueError(f"unknown path {name!r}: expected one of {sorted(path_configs)}")
+    config = dict(path_configs[name])
+    if budget:
+        if not config["micro_batch_tokens"]:
+            raise ValueError(f"path {name!r} cuts micro-batches by count: no @budget")
+        config["micro_batch_tokens"] = int(budget)
+    return config
+
+
+def _random_init_copy(model_dir: Path, seed: int, shape: str = "135m") -> Path:
+    """A model folder with ``model_dir``'s tokenizer, its config with :data:`SHAPES`
+    ``[shape]`` applied, and random bf16 weights (made on the GPU when there is one)."""
     import tempfile
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     out = Path(tempfile.mkdtemp(prefix="bench-model-"))
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    model.to(torch.bfloat16).save_pretrained(out)
+    config = AutoConfig.from_pretrained(model_dir)
+    for key, value in SHAPES[shape].items():
+        setattr(config, key, value)
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    del model
     return out
 
 
@@ -389,13 +449,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--variants", default="st_ppo,so_grpo", help=f"of {','.join(VARIANTS)}")
-    parser.add_argument("--paths", default="old,new", help=f"of {','.join(PATHS)}")
+    parser.add_argument(
+        "--paths", default="old,new", help=f"of {','.join(PATHS)}, each optionally @budget"
+    )
     parser.add_argument(
         "--micro-tokens",
         type=int,
         default=PATHS["new"]["micro_batch_tokens"],
-        help="the new path's micro-batch token budget (padded slots)",
+        help="the new and packed paths' micro-batch token budget (new: padded slots; "
+        "packed: real tokens; -1: sized from free memory)",
     )
+    parser.add_argument("--shape", default=None, choices=list(SHAPES), help="model shape")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--no-sft", action="store_true", help="skip the SFT step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -417,11 +482,18 @@ def main() -> None:
         "for a machine the 270 MB weights cannot reach)",
     )
     args = parser.parse_args()
-    path_configs = {**PATHS, "new": {**PATHS["new"], "micro_batch_tokens": args.micro_tokens}}
+    path_configs = {
+        name: {**path, "micro_batch_tokens": args.micro_tokens}
+        if path["micro_batch_tokens"]
+        else path
+        for name, path in PATHS.items()
+    }
+    for path in args.paths.split(","):
+        path_config(path, path_configs)  # an unknown path fails before the models load
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    if args.random_init:
-        args.model = str(_random_init_copy(Path(args.model), args.seed))
+    if args.random_init or args.shape:
+        args.model = str(_random_init_copy(Path(args.model), args.seed, args.shape or "135m"))
 
     config = LearnerConfig(
         zero_stage=args.zero_stage,
@@ -431,6 +503,7 @@ def main() -> None:
         micro_batch_size=args.micro,
         actor_lr=1e-6,
         critic_lr=1e-5,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     rss_start = _rss_gib()
     t0 = time.perf_counter()
@@ -449,13 +522,16 @@ def main() -> None:
         f"init {init_s:.1f} s, RSS {rss_after_init:.2f} GiB; dtype {learner.dtype_choice.name}, "
         f"threads {torch.get_num_threads()}; {len(trajectories)} trajectories, {num_tokens} "
         f"tokens ({num_policy} policy; {padded_tokens(trajectories, args.micro)} in padded "
-        f"micro-batches of {args.micro})",
+        f"micro-batches of {args.micro}); shape {args.shape or '135m'}, "
+        f"{sum(p.numel() for p in learner.policy_engine.module.parameters()) / 1e9:.2f} B "
+        f"parameters, fused AdamW {use_fused_adamw(learner.config)}, memory token budget "
+        f"{learner.auto_micro_batch_tokens}",
         flush=True,
     )
 
     def run(name: str, path: str) -> tuple[float, float, float, dict]:
         """One step; (seconds, peak RSS GiB, peak GPU allocated GiB, metrics)."""
-        learner.config = base.model_copy(update=path_configs[path])
+        learner.config = base.model_copy(update=path_config(path, path_configs))
         reset = _reset_peak_rss()
         _reset_peak_gpu()
         if name == "sft":
@@ -570,7 +646,11 @@ def main() -> None:
         "peak_rss_gib": _peak_rss_gib(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "peak_gpu_allocated_gib": _peak_gpu_gib(),
-        "random_init": args.random_init,
+        "random_init": args.random_init or bool(args.shape),
+        "shape": args.shape or "135m",
+        "parameters": sum(p.numel() for p in learner.policy_engine.module.parameters()),
+        "fused_adamw": use_fused_adamw(learner.config),
+        "auto_micro_batch_tokens": learner.auto_micro_batch_tokens,
         "rows": rows,
         "profile": profile,
     }

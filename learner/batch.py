@@ -244,11 +244,15 @@ def token_budget_micro_batches(
     prompt_lengths: Sequence[int],
     response_lengths: Sequence[int],
     budget: int,
+    *,
+    packed: bool = False,
 ) -> list[list[int]]:
     """Cut ``rows`` into micro-batches whose padded size stays within ``budget`` tokens.
 
     A micro-batch of rows R, collated by :meth:`TrainingBatch.select`, holds
-    ``len(R) * (max prompt + max response)`` token slots, padding included. Rows go
+    ``len(R) * (max prompt + max response)`` token slots, padding included; packed
+    (``packed``, :mod:`learner.packing`) it is counted as its real tokens, the sum of the
+    rows' prompt + response (what a packed forward computes, up to its rows' tails). Rows go
     longest first (ties: earlier row first) into the current micro-batch while its padded
     size stays within ``budget``, else they start a new one; a row longer than ``budget``
     is a micro-batch of its own. Rows of similar length end up together, so little padding
@@ -259,6 +263,7 @@ def token_budget_micro_batches(
         prompt_lengths, response_lengths: real prompt / response tokens of each row of that
             batch (indexed by row index, e.g. ``TrainingBatch.prompt_lengths``).
         budget: token slots per micro-batch (>= 1).
+        packed: count real tokens instead of padded slots.
 
     Returns:
         Micro-batches of row indices; together they hold every row once.
@@ -276,15 +281,71 @@ def token_budget_micro_batches(
         rows, key=lambda r: (-(int(prompt_lengths[r]) + int(response_lengths[r])), position[r])
     )
     groups: list[list[int]] = []
-    max_prompt = max_response = 0
+    max_prompt = max_response = real = 0
     for row in order:
         prompt, response = int(prompt_lengths[row]), int(response_lengths[row])
         if groups:
             width = max(max_prompt, prompt) + max(max_response, response)
-            if (len(groups[-1]) + 1) * width <= budget:
+            size = real + prompt + response if packed else (len(groups[-1]) + 1) * width
+            if size <= budget:
                 groups[-1].append(row)
                 max_prompt, max_response = max(max_prompt, prompt), max(max_response, response)
+                real += prompt + response
                 continue
         groups.append([row])
-        max_prompt, max_response = prompt, response
+        max_prompt, max_response, real = prompt, response, prompt + response
     return groups
+
+
+CPU_AUTO_TOKEN_BUDGET = 4096
+"""``micro_batch_tokens = -1`` on a CPU: memory is seldom what limits a CPU micro-batch."""
+
+
+def activation_bytes_per_token(model_config, *, gradient_checkpointing: bool) -> int:
+    """Estimated activation memory kept for backward per token of a forward, in bytes.
+
+    Per decoder layer and token, a bf16 transformer with a memory-efficient attention kernel
+    (no L x L scores kept) keeps about ``2 * (6 H + 4 I)`` bytes: the inputs of the four
+    attention projections and of the three SwiGLU projections, the normalised inputs and the
+    gate product (after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", eq. 2 with its s^2 term gone and a SwiGLU MLP of width I). With
+    gradient checkpointing every layer keeps only its input (2 H bytes) and one layer at a
+    time its whole set.
+
+    Args:
+        model_config: an HF config with ``hidden_size`` (H), ``intermediate_size`` (I) and
+            ``num_hidden_layers``.
+        gradient_checkpointing: whether activations are recomputed in backward.
+
+    Returns:
+        Bytes per token (an estimate: the measured peak is what benchmarks report).
+    """
+    hidden, inter = int(model_config.hidden_size), int(model_config.intermediate_size)
+    layers = int(model_config.num_hidden_layers)
+    per_layer = 2 * (6 * hidden + 4 * inter)
+    if gradient_checkpointing:
+        return layers * 2 * hidden + per_layer
+    return layers * per_layer
+
+
+def memory_token_budget(
+    free_bytes: int, model_config, *, gradient_checkpointing: bool, fraction: float = 0.5
+) -> int:
+    """Micro-batch token budget that keeps a forward's activations within ``fraction`` of
+    the free memory: ``fraction * free_bytes / activation_bytes_per_token``, at least 256.
+
+    Args:
+        free_bytes: device memory free after the models and optimizer states are in place.
+        model_config, gradient_checkpointing: as in :func:`activation_bytes_per_token`.
+        fraction: share of the free memory for activations (the rest: the LM head's
+            float32 chunks, allocator slack, the optimizer step's temporaries).
+
+    Raises:
+        ValueError: ``fraction`` outside (0, 1].
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    per_token = activation_bytes_per_token(
+        model_config, gradient_checkpointing=gradient_checkpointing
+    )
+    return max(256, int(fraction * free_bytes / per_token))

@@ -487,13 +487,26 @@ class LearnerConfig(StrictModel):
     micro_batch_size: int = Field(2, ge=1, le=4096)
     """Trajectories per forward/backward (gradient accumulation up to a mini-batch)."""
 
-    micro_batch_tokens: int = Field(0, ge=0, le=16_777_216)
+    micro_batch_tokens: int = Field(0, ge=-1, le=16_777_216)
     """Micro-batches by token budget instead of by count when > 0: each stage's rows (on
     each rank) go longest first into micro-batches of at most this many padded token slots
     (:func:`learner.batch.token_budget_micro_batches`; a longer row goes alone), so rows of
     similar length share a forward and little padding is computed. The gradient is the
     same (global denominators), up to float summation order. 0: ``micro_batch_size`` rows
-    per forward, in the mini-batch's shuffled order."""
+    per forward, in the mini-batch's shuffled order. With ``pack_sequences`` the budget
+    counts real tokens (what a packed forward computes, up to its rows' tails). -1: a
+    budget sized from the memory left after the models are loaded (CUDA: half the free
+    GPU memory over an estimate of the activation bytes per token,
+    :func:`learner.batch.memory_token_budget`; CPU: 4,096), fixed at start-up."""
+
+    pack_sequences: bool = False
+    """Run every forward of the policy, critic and reference on the micro-batch's
+    trajectories packed without padding (:mod:`learner.packing`): whole trajectories placed
+    first-fit into rows as wide as the longest, positions restarting at each trajectory,
+    the block-diagonal causal mask built by transformers from the positions. Same values
+    to rounding (losses within 1e-5 in float32), fewer token slots computed. Applies where
+    the LM head is chunked (``logprob_chunk_tokens > 0`` and a plain head); the
+    full-vocabulary path and ``bias_norm = "param"``'s extra forward stay padded."""
 
     lr_warmup_steps: int = Field(0, ge=0, le=1_000_000)
     """Linear warm-up of the actor and critic learning rates over this many learner steps
@@ -505,6 +518,12 @@ class LearnerConfig(StrictModel):
 
     ppo_epochs: int = Field(1, ge=1, le=64)
     """Passes over the step's batch; each pass after the first is further off-policy."""
+
+    fused_adamw: bool | None = None
+    """AdamW as one fused kernel per parameter group (``torch.optim.AdamW(fused=True)``,
+    built by the learner and handed to DeepSpeed) instead of DeepSpeed's ``torch_adam``
+    (torch's multi-tensor ``foreach`` AdamW). Same update to rounding. None: fused on
+    CUDA, ``foreach`` on CPU."""
 
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""

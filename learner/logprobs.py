@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from learner.batch import TrainingBatch
+from learner.packing import model_inputs
 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 """HF config fields of models whose logits are not just ``lm_head(hidden)``: those keep the
@@ -227,13 +228,14 @@ def masked_token_stats(
     temperature: float = 1.0,
     chunk_tokens: int = 512,
     with_entropy: bool = False,
+    packed: bool = False,
 ) -> TokenStats:
     """Log-probs (and entropy) of the response tokens where ``mask`` is 1, chunked.
 
     One forward of ``model`` (the engine, so DeepSpeed's hooks run) with
     ``output_hidden_states`` and no LM-head column (``logits_to_keep`` = an empty index),
-    then :func:`chunked_logprobs` on the last hidden states at the columns ``P - 1 + t``
-    that predict the masked response tokens t.
+    then :func:`chunked_logprobs` on the last hidden states at the columns that predict the
+    masked response tokens t (``P - 1 + t`` padded; packed: :mod:`learner.packing`).
 
     Args:
         model: an HF causal LM or a DeepSpeed engine wrapping one; ``head`` its LM head
@@ -242,22 +244,22 @@ def masked_token_stats(
             device.
         mask: [B, T], nonzero where a value is wanted (the policy tokens).
         temperature, chunk_tokens, with_entropy: as in :func:`chunked_logprobs`.
+        packed: run the forward on the trajectories packed without padding
+            (:func:`learner.packing.packed_inputs`) instead of the padded batch; the values
+            agree to rounding.
 
     Returns:
         :class:`TokenStats` with [B, T] tensors, zero where ``mask`` is 0.
     """
-    device = batch.input_ids.device
+    inputs = model_inputs(batch, packed)
     out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
+        **inputs.forward_kwargs(),
+        logits_to_keep=torch.empty(0, dtype=torch.long, device=batch.input_ids.device),
         output_hidden_states=True,
         use_cache=False,
     )
-    last = out.hidden_states[-1]
     rows, cols = (mask != 0).nonzero(as_tuple=True)
-    hidden = last[rows, cols + (batch.prompt_width - 1)]
+    hidden = inputs.states(out.hidden_states[-1], inputs.state_index[rows, cols])
     labels = batch.response_ids[rows, cols]
     logprobs, entropy = chunked_logprobs(
         hidden,

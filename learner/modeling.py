@@ -52,22 +52,31 @@ class ValueModel(nn.Module):
         self.backbone.gradient_checkpointing_enable()
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, num_response: int
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        position_ids: Tensor,
+        state_index: Tensor,
     ) -> Tensor:
-        """Values of the last ``num_response`` tokens' states.
+        """Values of the states in which the policy chose each response token.
 
         Args:
-            input_ids, attention_mask, position_ids: int64 [B, L] (TrainingBatch layout).
-            num_response: T, response columns at the end of the row.
+            input_ids, attention_mask, position_ids: a micro-batch's forward inputs, padded
+                or packed (:class:`learner.packing.ModelInputs`; int64 [R, W], the mask None
+                when packed).
+            state_index: int64 [B, T], ``ModelInputs.state_index``: the flat column of each
+                response token's state among the R * W outputs.
 
         Returns:
             float32 [B, T]: ``values[b, t]`` = V(prefix before response token t).
         """
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,  # with a cache, transformers ignores packed positions
         ).last_hidden_state
-        start = hidden.shape[1] - num_response - 1
-        states = hidden[:, start : start + num_response, :]
+        states = hidden.reshape(-1, hidden.shape[-1])[state_index]
         return self.value_head(states).squeeze(-1).float()
 
 

@@ -87,7 +87,13 @@ from actors.hardware import resolve_dtype
 from actors.trajectory import Trajectory
 from learner import advantages as adv_fns
 from learner import corrections, losses
-from learner.batch import TrainingBatch, collate_trajectories, token_budget_micro_batches
+from learner.batch import (
+    CPU_AUTO_TOKEN_BUDGET,
+    TrainingBatch,
+    collate_trajectories,
+    memory_token_budget,
+    token_budget_micro_batches,
+)
 from learner.checkpoint import CheckpointMixin
 from learner.config import (
     AlgorithmConfig,
@@ -107,6 +113,7 @@ from learner.distributed import (
 )
 from learner.logprobs import TokenStats, lm_head_of, masked_token_stats
 from learner.modeling import ValueModel, response_logits, token_logprobs
+from learner.packing import model_inputs
 from learner.sft import SupervisedMixin
 from learner.step_metrics import (
     Selection,
@@ -145,7 +152,9 @@ def _scaled_learning_rate(optimizer: torch.optim.Optimizer, scale: float) -> Ite
             group["lr"] = lr
 
 
-def deepspeed_config(config: LearnerConfig, lr: float, *, with_optimizer: bool) -> dict:
+def deepspeed_config(
+    config: LearnerConfig, lr: float, *, with_optimizer: bool, client_optimizer: bool = False
+) -> dict:
     """The DeepSpeed config dict for one engine.
 
     Accumulation is unmanaged (``managed_gradient_accumulation = false``): the learner calls
@@ -157,6 +166,8 @@ def deepspeed_config(config: LearnerConfig, lr: float, *, with_optimizer: bool) 
         config: the learner section.
         lr: learning rate of this engine's AdamW.
         with_optimizer: False for the frozen reference (ZeRO 0, no optimizer).
+        client_optimizer: the learner builds the optimizer itself (fused AdamW,
+            :func:`build_fused_adamw`): no ``optimizer`` section.
     """
     bf16 = (
         resolve_dtype(config.dtype, "cuda" if torch.cuda.is_available() else "cpu").name == "bf16"
@@ -181,13 +192,19 @@ def deepspeed_config(config: LearnerConfig, lr: float, *, with_optimizer: bool) 
             "managed_gradient_accumulation": False,
             "gradient_clipping": config.max_grad_norm,
             "zero_optimization": {"stage": config.zero_stage},
-            "optimizer": {
-                "type": "AdamW",
-                "params": {"lr": lr, "weight_decay": config.weight_decay, "torch_adam": True},
-            },
         }
     )
+    if not client_optimizer:
+        ds["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": lr, "weight_decay": config.weight_decay, "torch_adam": True},
+        }
     return ds
+
+
+def use_fused_adamw(config: LearnerConfig) -> bool:
+    """``config.fused_adamw``, None resolved: fused on CUDA, DeepSpeed's foreach elsewhere."""
+    return torch.cuda.is_available() if config.fused_adamw is None else config.fused_adamw
 
 
 def _pad_columns(x: Tensor, width: int) -> Tensor:
@@ -284,14 +301,29 @@ class Learner(CheckpointMixin, SupervisedMixin):
             model=reference, config=deepspeed_config(config, 0.0, with_optimizer=False)
         )
         self.device = self.policy_engine.device
+        self.auto_micro_batch_tokens = self._memory_token_budget()
 
     # ------------------------------------------------------------------ control
 
     def _initialize(self, deepspeed: Any, model: torch.nn.Module, lr: float) -> Any:
+        """A DeepSpeed engine with AdamW for ``model``: fused (built here, on the model's
+        training device) or DeepSpeed's ``torch_adam`` (:func:`use_fused_adamw`)."""
+        fused = use_fused_adamw(self.config)
+        optimizer = None
+        if fused:
+            if torch.cuda.is_available():
+                model.to(torch.device("cuda", torch.cuda.current_device()))
+            optimizer = torch.optim.AdamW(
+                [p for p in model.parameters() if p.requires_grad],
+                lr=lr,
+                weight_decay=self.config.weight_decay,
+                fused=True,
+            )
         engine, *_ = deepspeed.initialize(
             model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=deepspeed_config(self.config, lr, with_optimizer=True),
+            model_parameters=None if fused else [p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            config=deepspeed_config(self.config, lr, with_optimizer=True, client_optimizer=fused),
         )
         return engine
 
@@ -362,15 +394,36 @@ class Learner(CheckpointMixin, SupervisedMixin):
         plan = [(chunk, True) for chunk in chunks[self.rank]]
         return plan + [(rows[:1], False)] * (count - len(plan))
 
+    def _memory_token_budget(self) -> int:
+        """The token budget ``micro_batch_tokens = -1`` stands for, from the memory free now
+        (:func:`learner.batch.memory_token_budget` on CUDA, 4,096 on CPU)."""
+        if self.device.type != "cuda":
+            return CPU_AUTO_TOKEN_BUDGET
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = memory_token_budget(
+            free,
+            self.policy_engine.module.config,
+            gradient_checkpointing=self.config.gradient_checkpointing,
+        )
+        logger.info("micro-batch token budget from %.1f GiB free: %d", free / 2**30, budget)
+        return budget
+
     def _micro_chunks(self, batch: TrainingBatch, rows: list[int]) -> list[list[int]]:
-        """``rows`` cut into micro-batches: by token budget (``micro_batch_tokens > 0``),
-        else ``micro_batch_size`` at a time in order. Empty ``rows``: no micro-batch."""
+        """``rows`` cut into micro-batches: by token budget (``micro_batch_tokens > 0``, or
+        -1: the budget sized from memory at start-up), else ``micro_batch_size`` at a time
+        in order. Empty ``rows``: no micro-batch."""
         if not rows:
             return []
         budget = self.config.micro_batch_tokens
+        if budget == -1:
+            budget = self.auto_micro_batch_tokens
         if budget > 0:
             return token_budget_micro_batches(
-                rows, batch.prompt_lengths, batch.response_lengths, budget
+                rows,
+                batch.prompt_lengths,
+                batch.response_lengths,
+                budget,
+                packed=self.config.pack_sequences,
             )
         size = self.config.micro_batch_size
         return [rows[s : s + size] for s in range(0, len(rows), size)]
@@ -617,6 +670,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
                 temperature=self.temperature,
                 chunk_tokens=chunk,
                 with_entropy=with_entropy,
+                packed=self.config.pack_sequences,
             )
         logits = response_logits(engine, micro, self.temperature)
         logprobs = token_logprobs(logits, micro.response_ids)
@@ -627,8 +681,11 @@ class Learner(CheckpointMixin, SupervisedMixin):
         return TokenStats(logprobs, entropy)
 
     def _values(self, micro: TrainingBatch) -> Tensor:
+        """float32 [b, T] critic values of ``micro``'s response tokens (packed or padded as
+        ``config.pack_sequences`` says)."""
+        inputs = model_inputs(micro, self.config.pack_sequences)
         return self.critic_engine(
-            micro.input_ids, micro.attention_mask, micro.position_ids, micro.response_ids.shape[1]
+            inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.state_index
         )
 
     def _compute_advantages(self, batch: TrainingBatch, algorithm: BaseModel) -> None:

@@ -14,6 +14,14 @@
 #       against the learner's log-probs), the HF engine contract tests, and measures the
 #       learner step (policy + critic + reference, random-init SmolLM2-135M, bf16, ZeRO-2)
 #       and the HF engine's generation on CUDA (also two calls merged into one).
+#   scripts/gpu_smoke.sh --scale [--with-3b] [--bundle DIR] [--out DIR]
+#       The --learner install, the CUDA sequence-packing test, and the learner at a size users
+#       train: random SmolLM2-1.7B shapes, policy + critic + reference, bf16 ZeRO-2, 64
+#       trajectories; st_ppo and so_grpo on the chunked path (micro-batches of 4) and the packed
+#       path (micro-batches by a token budget sized from free GPU memory), side by side, with
+#       the share of the bf16 peak and peak memory (under 4 minutes on an H100 or H200).
+#       --with-3b adds one st_ppo step at a Llama-3.2-3B shape with gradient checkpointing
+#       (a GPU of 120 GiB or more: policy, critic and their AdamW states take ~110 GiB).
 #
 # Either mode writes DIR/report.txt and DIR/figures.json (default DIR runs/gpu_smoke), plus
 # DIR/details/ (test reports, benchmark JSON and logs). Every step that fails stops the
@@ -29,14 +37,17 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 MODE=full
+WITH_3B=0
 OUT_DIR=runs/gpu_smoke
 BUNDLE=.gpu-bundle
 while (($#)); do
   case "$1" in
     --learner) MODE=learner ;;
+    --scale) MODE=scale ;;
+    --with-3b) WITH_3B=1 ;;
     --out) OUT_DIR=${2:?--out needs a directory}; shift ;;
     --bundle) BUNDLE=${2:?--bundle needs a directory}; shift ;;
-    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "[gpu-smoke] unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -136,7 +147,23 @@ run() {
   fi
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o junit_family=xunit1)  # xunit1: test properties
-run tests_gpu "${PYTEST[@]}" --junitxml="$DETAILS/tests_gpu.xml" tests/gpu
+if [[ "$MODE" == scale ]]; then
+  run tests_gpu "${PYTEST[@]}" --junitxml="$DETAILS/tests_gpu.xml" -k packed \
+    tests/gpu/test_learner_cuda.py
+  # the issue-46 batch: 64 trajectories spread like the main job's, 4 optimizer steps
+  run scale_1.7b "$PY" benchmarks/learner_step.py --shape 1.7b --model "$MODEL" \
+    --dtype bf16 --zero-stage 2 --repeats 2 --batch 64 --mini 16 --micro 4 \
+    --micro-tokens -1 --variants st_ppo,so_grpo --paths chunked,packed@4096,packed --no-sft \
+    --out "$DETAILS/scale_1.7b.json"
+  if ((WITH_3B)); then
+    run scale_3b "$PY" benchmarks/learner_step.py --shape 3b --model "$MODEL" \
+      --dtype bf16 --zero-stage 2 --repeats 1 --batch 64 --mini 16 --micro 4 \
+      --micro-tokens -1 --variants st_ppo --paths packed --no-sft --gradient-checkpointing \
+      --out "$DETAILS/scale_3b.json"
+  fi
+else
+  run tests_gpu "${PYTEST[@]}" --junitxml="$DETAILS/tests_gpu.xml" tests/gpu
+fi
 if [[ "$MODE" == full ]]; then
   run tests_contract "${PYTEST[@]}" --junitxml="$DETAILS/tests_contract.xml" \
     tests/integration/test_engines_contract.py tests/integration/test_weight_group.py
@@ -149,7 +176,7 @@ if [[ "$MODE" == full ]]; then
     ray.learner_gpus=$learner_gpus ray.rollout_actor_gpus=$engine_gpus \
     rollout.vllm_kv_cache_gib=4 \
     sync.transport=$transport
-else
+elif [[ "$MODE" == learner ]]; then
   # the HF engine's contract (its vLLM cases are marked `vllm`: not installed here)
   run tests_contract "${PYTEST[@]}" --junitxml="$DETAILS/tests_contract.xml" -m "not vllm" \
     tests/integration/test_engines_contract.py
@@ -209,7 +236,7 @@ for name in ("tests_gpu", "tests_contract"):
                      f"{counts['errors']} errors, {counts['skipped']} skipped")
 for case, props in figures.get("tests_gpu_properties", {}).items():
     lines.append(f"    {case}: " + ", ".join(f"{k} {v:.2e}" for k, v in props.items()))
-for name in ("learner_step", "learner_step_b64"):
+for name in ("learner_step", "learner_step_b64", "scale_1.7b", "scale_3b"):
     bench = read_json(f"{name}.json")
     if bench is None:
         continue
@@ -223,6 +250,10 @@ for name in ("learner_step", "learner_step_b64"):
                        "speedup_vs_first_path", "peak_gpu_allocated_gib")},
     }
     peak = bench["matmul"].get("peak_tflops") or float("nan")
+    if "shape" in bench:
+        figures[name].update({k: bench.get(k) for k in ("shape", "parameters", "fused_adamw", "auto_micro_batch_tokens")})
+        lines.append(f"  {name}: shape {bench['shape']}, {bench['parameters'] / 1e9:.2f} B parameters, "
+                     f"fused AdamW {bench['fused_adamw']}, memory token budget {bench['auto_micro_batch_tokens']}")
     lines.append(f"  {name}: {bench['batch']['trajectories']} trajectories, {bench['batch']['tokens']} "
                  f"tokens/step, bf16 ZeRO-{bench['config']['zero_stage']}, peak GPU allocated "
                  f"{bench['peak_gpu_allocated_gib']:.2f} GiB, init {bench['init_s']:.1f} s, "
@@ -231,7 +262,8 @@ for name in ("learner_step", "learner_step_b64"):
         share = r.get("share_of_peak") or float("nan")
         lines.append(f"    {v:24s} step {r['step_s_median']:.3f} s   {r['tokens_per_s']:8.0f} tokens/s   "
                      f"{r['model_tflop']:.2f} TFLOP   share of peak {share:.4f}   "
-                     f"x first path {r['speedup_vs_first_path']:.2f}")
+                     f"x first path {r['speedup_vs_first_path']:.2f}   "
+                     f"peak GPU {r.get('peak_gpu_allocated_gib') or float('nan'):.1f} GiB")
 engine = read_json("hf_engine.json")
 if engine is not None:
     figures["hf_engine"] = engine

@@ -51,6 +51,29 @@ def make_trajectory(
     ).validate()
 
 
+def make_uneven_batch(seed: int = 0, num: int = 6) -> list[Trajectory]:
+    """Trajectories of 2..12 prompt and 2..40 response tokens (2 turns), groups of 2, so
+    short ones share packed rows (rows are as wide as the longest trajectory)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num):
+        prompt = rng.integers(10, 1000, int(rng.integers(2, 13))).tolist()
+        first, env = int(rng.integers(1, 16)), int(rng.integers(0, 12))
+        second = int(rng.integers(1, 12))
+        mask = [1] * first + [0] * env + [1] * second
+        out.append(
+            make_trajectory(
+                prompt,
+                rng.integers(10, 1000, len(mask)).tolist(),
+                mask,
+                [-float(rng.uniform(6.0, 12.0)) * m for m in mask],
+                reward=float(i % 2 == 0),
+                group_id=f"g{i // 2}",
+            )
+        )
+    return out
+
+
 def make_batch(seed: int, num: int = 4) -> list[Trajectory]:
     """``num`` two-turn trajectories in groups of 2, rewards 1, 0, 1, 0, ...; behaviour
     log-probs drawn far from the random model's (about -10.8 = -log 49152), so tokens clip."""

@@ -1,4 +1,5 @@
-"""``scripts/gpu_smoke.sh --learner``'s offline path, emulated on a machine without a GPU.
+"""``scripts/gpu_smoke.sh --learner`` and ``--scale``'s offline path, emulated on a machine
+without a GPU.
 
 The GPU machine it is written for has no network, a system Python with CUDA torch and
 transformers, and nothing else of the project but what is carried there (README, "GPU
@@ -55,8 +56,9 @@ def checkout_files() -> list[str]:
     return [f for f in out.split("\0") if f and f.split("/")[0] != "data"]
 
 
+@pytest.mark.parametrize("mode", ["--learner", "--scale"])
 def test_learner_smoke_installs_offline_and_stops_at_the_cuda_check(
-    tmp_path: Path, model_dir: Path
+    tmp_path: Path, model_dir: Path, mode: str
 ):
     root = tmp_path / "checkout"
     for rel in checkout_files():
@@ -99,7 +101,7 @@ def test_learner_smoke_installs_offline_and_stops_at_the_cuda_check(
     )
     out = tmp_path / "report"
     run = subprocess.run(
-        ["bash", "scripts/gpu_smoke.sh", "--learner", "--out", str(out)],
+        ["bash", "scripts/gpu_smoke.sh", mode, "--out", str(out)],
         cwd=root,
         env=env,
         capture_output=True,

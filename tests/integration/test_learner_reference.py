@@ -252,7 +252,10 @@ def test_learner_gradient_equals_reference(variant, overrides, tiny_llama_dir: P
     {"micro_batch_tokens": 16},
     {"logprob_chunk_tokens": 0},  # the full-vocabulary path
     {"logprob_chunk_tokens": 3},  # a few policy tokens per chunk
-], ids=["budget40", "budget16", "full_vocab", "chunk3"])  # fmt: skip
+    # packed forwards (no padding, no attention mask); by budget, 18 + 17 real tokens share
+    {"pack_sequences": True},
+    {"pack_sequences": True, "micro_batch_tokens": 40},
+], ids=["budget40", "budget16", "full_vocab", "chunk3", "packed", "packed_budget40"])  # fmt: skip
 def test_learner_paths_equal_reference(variant, overrides, learner_overrides, tiny_llama_dir: Path):
     """The same reference holds with micro-batches by token budget and either log-prob path
     (turn ratios with the decoupled objective; scale_target = loss, whose ||C|| must add up

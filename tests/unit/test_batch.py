@@ -148,3 +148,19 @@ def test_token_budget_micro_batches_longest_first_within_budget():
     assert groups == [[2, 1], [0]]
     with pytest.raises(ValueError, match="budget"):
         token_budget_micro_batches([0], prompts, responses, 0)
+
+
+def test_memory_token_budget_by_hand():
+    from types import SimpleNamespace
+
+    from learner.batch import activation_bytes_per_token, memory_token_budget
+
+    cfg = SimpleNamespace(hidden_size=100, intermediate_size=300, num_hidden_layers=10)
+    per_layer = 2 * (6 * 100 + 4 * 300)  # 3,600 bytes per layer and token
+    assert activation_bytes_per_token(cfg, gradient_checkpointing=False) == 10 * per_layer
+    # checkpointed: every layer's input (2 H bytes) plus one layer's whole set
+    assert activation_bytes_per_token(cfg, gradient_checkpointing=True) == 10 * 200 + per_layer
+    assert memory_token_budget(72_000_000, cfg, gradient_checkpointing=False) == 1000
+    assert memory_token_budget(1000, cfg, gradient_checkpointing=False) == 256  # the floor
+    with pytest.raises(ValueError, match="fraction"):
+        memory_token_budget(1, cfg, gradient_checkpointing=False, fraction=0.0)

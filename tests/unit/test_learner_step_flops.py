@@ -86,3 +86,25 @@ def test_padded_tokens():
 )
 def test_profile_categories(op, category):
     assert _bench.op_category(op) == category
+
+
+def test_path_budget_suffix():
+    paths = _bench.PATHS
+    assert _bench.path_config("packed@4096", paths)["micro_batch_tokens"] == 4096
+    assert _bench.path_config("packed", paths) == paths["packed"]
+    assert _bench.path_config("new@-1", paths)["micro_batch_tokens"] == -1
+    with pytest.raises(ValueError, match="by count"):
+        _bench.path_config("chunked@4096", paths)
+    with pytest.raises(ValueError, match="unknown path"):
+        _bench.path_config("fast", paths)
+
+
+def test_named_shapes_are_the_published_configs():
+    """SmolLM2-360M / 1.7B and Llama-3.2-3B shapes (their config.json on the Hub): heads
+    divide the hidden size, key-value heads divide the heads."""
+    shapes = _bench.SHAPES
+    assert shapes["1.7b"]["hidden_size"] == 2048 and shapes["1.7b"]["num_hidden_layers"] == 24
+    for shape in shapes.values():
+        if shape:
+            assert shape["hidden_size"] % shape["num_attention_heads"] == 0
+            assert shape["num_attention_heads"] % shape["num_key_value_heads"] == 0

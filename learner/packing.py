@@ -1,0 +1,186 @@
+"""Forward inputs of a micro-batch, padded or packed, and where each response token's output is.
+
+A :class:`learner.batch.TrainingBatch` is padded: B rows of L = P + T columns, prompts
+left-padded to P and responses right-padded to T, so a micro-batch of uneven trajectories
+computes ``B * L`` token slots for ``sum(n_b)`` real tokens (n_b = prompt + response of row
+b). In the learner benchmark's 1.7B batch a quarter of the slots were padding.
+
+Packed (sequence packing without padding): the trajectories are placed whole, first-fit
+decreasing by length, into rows of width W = max(n_b), one after the other::
+
+    row 0   [ seq 3 (longest) ......................... ]
+    row 1   [ seq 0 ............. ][ seq 2 ....... ][pad]
+    row 2   [ seq 1 ....................... ][pad ......]
+
+with ``position_ids`` restarting at 0 at the start of each trajectory (and of each row's
+tail of padding) and no attention mask. transformers then builds the block-diagonal causal
+mask from the positions (``masking_utils.find_packed_sequence_indices``: a token attends
+only to earlier tokens of its own trajectory), for every attention implementation, on CUDA
+and CPU, but only in a forward without a KV cache: every packed forward passes
+``use_cache=False`` (with a cache, the positions are ignored and trajectories attend to
+each other; ``tests/unit/test_packing.py`` catches it). A token sees exactly what it sees in the padded layout (its own trajectory's
+earlier tokens, the same positions), so outputs agree to rounding (the test:
+``tests/unit/test_packing.py``, losses within 1e-5 in float32). Rows are never wider than the
+longest trajectory, so the attention work (rows * W^2 with a dense mask) never exceeds the
+padded layout's (B * L^2), and the linear layers compute ``rows * W`` slots instead of
+``B * L``.
+
+Either layout answers where the output that predicts response token t of row b is:
+``state_index[b, t]``, a flat index into the forward's ``[rows * width]`` outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from learner.batch import TrainingBatch
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """One micro-batch as a forward of the policy, critic or reference takes it.
+
+    Attributes:
+        input_ids: int64 [R, W]: R rows of W columns (R = B padded; R <= B packed).
+        attention_mask: int64 [R, W] (padded) or None (packed: the positions mark where each
+            trajectory starts).
+        position_ids: int64 [R, W]: each token's position in its own trajectory.
+        state_index: int64 [B, T]: ``flat[state_index[b, t]]`` is the output (hidden state,
+            logits) of the column that predicts response token t of row b, where ``flat`` is
+            the forward's output reshaped to [R * W, ...]. Off the response (t >= the row's
+            response length) it points at some column of the same trajectory: values there
+            are meaningless and masked by the caller, as in the padded layout.
+        packed: whether this is the packed layout.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor | None
+    position_ids: Tensor
+    state_index: Tensor
+    packed: bool
+
+    @property
+    def slots(self) -> int:
+        """R * W, the token slots a forward computes (real tokens plus padding)."""
+        return int(self.input_ids.numel())
+
+    def forward_kwargs(self) -> dict[str, Tensor | None]:
+        """``input_ids``, ``attention_mask`` and ``position_ids`` for an HF model call."""
+        return {
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "position_ids": self.position_ids,
+        }
+
+    def states(self, outputs: Tensor, index: Tensor | None = None) -> Tensor:
+        """The outputs that predict response tokens.
+
+        Args:
+            outputs: [R, W, ...] (a forward's hidden states or logits).
+            index: optional int64 of any shape, entries of :attr:`state_index` to take
+                (default: all of it).
+
+        Returns:
+            ``outputs`` at ``index``: [*index.shape, ...] ([B, T, ...] by default).
+        """
+        flat = outputs.reshape(-1, *outputs.shape[2:])
+        return flat[self.state_index if index is None else index]
+
+
+def padded_inputs(batch: TrainingBatch) -> ModelInputs:
+    """The batch's own padded layout (module docstring of :mod:`learner.batch`)."""
+    rows, width = batch.input_ids.shape
+    num_response = batch.response_ids.shape[1]
+    columns = torch.arange(num_response, device=batch.input_ids.device) + batch.prompt_width - 1
+    state_index = torch.arange(rows, device=columns.device).unsqueeze(1) * width + columns
+    return ModelInputs(
+        batch.input_ids, batch.attention_mask, batch.position_ids, state_index, packed=False
+    )
+
+
+def pack_rows(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
+    """First-fit-decreasing placement of sequences into rows as wide as the longest one.
+
+    Args:
+        lengths: tokens of each sequence (>= 1 each).
+
+    Returns:
+        ``(width, places)``: the row width W = max(lengths) and, per sequence in input
+        order, ``(row, start column)``. Sequences go longest first (ties: earlier first)
+        into the first row with room; deterministic.
+
+    Raises:
+        ValueError: ``lengths`` empty or holding a length < 1.
+
+    Example: lengths [3, 5, 2, 4] -> width 5, places [(2, 0), (0, 0), (2, 3), (1, 0)]
+    (rows: [seq 1], [seq 3], [seq 0, seq 2]; 15 slots for 14 tokens, padded 4 * 5 = 20).
+    """
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"lengths must be a non-empty list of positive ints, got {lengths}")
+    width = max(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    used: list[int] = []
+    places: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for i in order:
+        for row, filled in enumerate(used):
+            if filled + lengths[i] <= width:
+                places[i] = (row, filled)
+                used[row] += lengths[i]
+                break
+        else:
+            places[i] = (len(used), 0)
+            used.append(lengths[i])
+    return width, places
+
+
+def packed_inputs(batch: TrainingBatch) -> ModelInputs:
+    """The batch's trajectories packed without padding (module docstring).
+
+    Args:
+        batch: a (micro-)batch in the padded layout; every row has >= 1 prompt token.
+
+    Returns:
+        :class:`ModelInputs` with ``attention_mask = None``, on the batch's device.
+
+    Raises:
+        ValueError: a row without prompt tokens (no column predicts its first response token).
+    """
+    prompt_lengths = [int(p) for p in batch.prompt_lengths]
+    response_lengths = [int(r) for r in batch.response_lengths]
+    if min(prompt_lengths) < 1:
+        raise ValueError("every row needs at least one prompt token to be packed")
+    lengths = [p + r for p, r in zip(prompt_lengths, response_lengths, strict=True)]
+    width, places = pack_rows(lengths)
+    num_rows = 1 + max(row for row, _ in places)
+    device = batch.input_ids.device
+    input_ids = torch.zeros((num_rows, width), dtype=torch.long)  # the tails' ids: never read
+    # every column starts as "its own one-token sequence" at position 0; trajectories and
+    # each row's tail then overwrite with counting positions
+    position_ids = torch.zeros((num_rows, width), dtype=torch.long)
+    num_response = batch.response_ids.shape[1]
+    state_index = torch.zeros((batch.batch_size, num_response), dtype=torch.long)
+    prompt_width = batch.prompt_width
+    cpu_ids = batch.input_ids.cpu()
+    used = [0] * num_rows
+    t = torch.arange(num_response)
+    for b, (row, start) in enumerate(places):
+        p, n = prompt_lengths[b], lengths[b]
+        input_ids[row, start : start + n] = cpu_ids[b, prompt_width - p : prompt_width - p + n]
+        position_ids[row, start : start + n] = torch.arange(n)
+        used[row] = max(used[row], start + n)
+        # column start + p - 1 + t predicts response token t; past the response, the row's last
+        column = start + p - 1 + torch.clamp(t, max=max(response_lengths[b] - 1, 0))
+        state_index[b] = row * width + column
+    for row, filled in enumerate(used):  # the tail of padding: one sequence of its own
+        position_ids[row, filled:] = torch.arange(width - filled)
+    return ModelInputs(
+        input_ids.to(device), None, position_ids.to(device), state_index.to(device), packed=True
+    )
+
+
+def model_inputs(batch: TrainingBatch, packed: bool) -> ModelInputs:
+    """:func:`packed_inputs` if ``packed`` else :func:`padded_inputs`."""
+    return packed_inputs(batch) if packed else padded_inputs(batch)

@@ -1,0 +1,203 @@
+"""Sequence packing without padding (learner/packing.py): the layout, and that every forward
+(chunked log-probs and entropy, critic values, a whole learner step) gives the padded
+batch's numbers in float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from learner_factories import make_trajectory, make_uneven_batch
+
+from learner.batch import collate_trajectories, token_budget_micro_batches
+from learner.config import GRPOConfig, LearnerConfig, PPOConfig
+from learner.logprobs import lm_head_of, masked_token_stats
+from learner.modeling import ValueModel
+from learner.packing import pack_rows, packed_inputs, padded_inputs
+
+
+def test_pack_rows_docstring_example():
+    assert pack_rows([3, 5, 2, 4]) == (5, [(2, 0), (0, 0), (2, 3), (1, 0)])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pack_rows_places_every_sequence_once_within_width(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 50, rng.integers(1, 30)).tolist()
+    width, places = pack_rows(lengths)
+    assert width == max(lengths)
+    rows = 1 + max(r for r, _ in places)
+    cover = np.zeros((rows, width), dtype=int)
+    for (row, start), n in zip(places, lengths, strict=True):
+        assert start + n <= width
+        cover[row, start : start + n] += 1
+    assert cover.max() == 1  # no overlap
+    assert rows <= len(lengths)
+    # first fit decreasing: within 11/9 of the lower bound, plus one row
+    assert rows <= 11 / 9 * np.ceil(sum(lengths) / width) + 1
+
+
+def test_pack_rows_rejects_bad_lengths():
+    with pytest.raises(ValueError, match="positive"):
+        pack_rows([])
+    with pytest.raises(ValueError, match="positive"):
+        pack_rows([3, 0])
+
+
+def test_packed_inputs_hand_checked():
+    trajs = [
+        make_trajectory([5, 6], [8, 9, 10, 11], [1, 0, 0, 1]),  # 6 tokens
+        make_trajectory([7], [12, 13], [1, 1]),  # 3 tokens
+        make_trajectory([3, 4], [14], [1]),  # 3 tokens
+    ]
+    batch = collate_trajectories(trajs, pad_token_id=0)
+    packed = packed_inputs(batch)
+    # width 6: row 0 = seq 0; row 1 = seq 1 then seq 2
+    assert packed.attention_mask is None and packed.packed
+    assert packed.input_ids.tolist() == [[5, 6, 8, 9, 10, 11], [7, 12, 13, 3, 4, 14]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]]
+    # the column predicting response token t: row * 6 + start + prompt - 1 + t; past a
+    # row's response, its last response token's
+    assert packed.state_index.tolist() == [[1, 2, 3, 4], [6, 7, 7, 7], [10, 10, 10, 10]]
+    assert packed.slots == 12 and padded_inputs(batch).slots == 3 * 6
+    padded = padded_inputs(batch)  # P = 2: column 1 + t of each row
+    assert padded.state_index.tolist() == [[1, 2, 3, 4], [7, 8, 9, 10], [13, 14, 15, 16]]
+
+
+def test_packed_rows_tail_is_a_sequence_of_its_own():
+    trajs = [make_trajectory([5, 6], [8, 9, 10], [1, 1, 1]), make_trajectory([7], [12], [1])]
+    packed = packed_inputs(collate_trajectories(trajs, pad_token_id=0))
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+
+
+def test_token_budget_counts_real_tokens_when_packed():
+    prompts, responses = [10, 10, 10], [90, 20, 30]
+    # packed: 40 + 30 real tokens fit 70; padded, the two take 2 * 40 = 80 slots
+    assert token_budget_micro_batches(range(3), prompts, responses, 70, packed=True) == [
+        [0],
+        [2, 1],
+    ]
+    assert token_budget_micro_batches(range(3), prompts, responses, 70) == [[0], [2], [1]]
+
+
+def test_packed_forward_equals_padded(tiny_llama_dir):
+    """Log-probs, entropy and their gradients (the policy), and values (the critic) of the
+    packed forward equal the padded forward's in float32; the packed batch computes fewer
+    token slots."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    head = lm_head_of(model)
+    batch = collate_trajectories(make_uneven_batch(), pad_token_id=0)
+    assert packed_inputs(batch).slots < 0.85 * padded_inputs(batch).slots
+    mask = batch.loss_mask
+    stats = {
+        packed: masked_token_stats(
+            model,
+            batch,
+            mask,
+            head,
+            temperature=0.9,
+            chunk_tokens=5,
+            with_entropy=True,
+            packed=packed,
+        )
+        for packed in (False, True)
+    }
+    torch.testing.assert_close(stats[True].logprobs, stats[False].logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(stats[True].entropy, stats[False].entropy, rtol=0, atol=1e-5)
+    params = list(model.parameters())
+    cot = torch.randn(mask.shape)
+    grads = {
+        k: torch.autograd.grad(((s.logprobs - 0.1 * s.entropy) * cot).sum(), params)
+        for k, s in stats.items()
+    }
+    for want, got in zip(grads[False], grads[True], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+    critic = ValueModel(model.model, model.config.hidden_size)
+    torch.nn.init.normal_(critic.value_head.weight)
+    with torch.no_grad():
+        values = {}
+        for packed in (False, True):
+            inputs = packed_inputs(batch) if packed else padded_inputs(batch)
+            values[packed] = critic(
+                inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.state_index
+            )
+    real = batch.response_mask.bool()
+    torch.testing.assert_close(values[True][real], values[False][real], rtol=0, atol=1e-5)
+
+
+def test_packing_breaks_without_the_block_mask(tiny_llama_dir):
+    """The packed rows only equal the padded batch because each trajectory's positions
+    restart at 0 (the block-diagonal mask comes from them) and the forward has no KV cache:
+    counting positions across a row, or a cache (transformers then skips the packed mask),
+    lets trajectories attend to each other, which this test sees."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    batch = collate_trajectories(make_uneven_batch(), pad_token_id=0)
+    packed = packed_inputs(batch)
+    rows, width = packed.input_ids.shape
+    with torch.no_grad():
+        good = model(**packed.forward_kwargs(), use_cache=False).logits
+        joined = model(
+            input_ids=packed.input_ids,
+            position_ids=torch.arange(width).expand(rows, width),
+            use_cache=False,
+        ).logits
+        cached = model(**packed.forward_kwargs(), use_cache=True).logits
+    shared = [r for r in range(rows) if (packed.position_ids[r] == 0).sum() > 1]
+    assert shared, "the batch must put two trajectories in one row"
+    assert (good - joined).abs().max() > 1e-2
+    assert (good - cached).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("algorithm", [PPOConfig(), GRPOConfig()], ids=["ppo_critic", "grpo"])
+def test_learner_step_losses_packed_equal_padded(algorithm, tiny_llama_dir):
+    """One learner step (reference, critic, policy forwards and backwards, optimizer step)
+    on uneven trajectories, packed and padded, in float32: every loss and statistic within
+    1e-5, and the updated policy within rounding."""
+    from learner.trainer import Learner
+
+    results = {}
+    for packed in (False, True):
+        learner = Learner(
+            tiny_llama_dir,
+            LearnerConfig(
+                dtype="fp32",
+                zero_stage=0,
+                train_batch_size=6,
+                mini_batch_size=6,
+                micro_batch_size=6,
+                actor_lr=1e-3,
+                pack_sequences=packed,
+            ),
+            algorithm,
+            seed=0,
+        )
+        metrics = learner.step(make_uneven_batch())
+        params = {n: p.detach().clone() for n, p in learner.policy_engine.module.named_parameters()}
+        results[packed] = (metrics, params)
+    padded, packed = results[False][0], results[True][0]
+    keys = (
+        "pg_loss",
+        "value_loss",
+        "approx_kl",
+        "kl_ref",
+        "entropy",
+        "clip_ratio",
+        "grad_norm",
+        "critic_grad_norm",
+        "advantage_mean",
+        "advantage_std",
+    )
+    for key in keys:
+        want, got = padded[key], packed[key]
+        if isinstance(want, float) and np.isnan(want):
+            assert np.isnan(got), key
+            continue
+        assert got == pytest.approx(want, abs=1e-5), key
+    for name, want in results[False][1].items():
+        torch.testing.assert_close(results[True][1][name], want, rtol=1e-4, atol=1e-6)
