@@ -551,7 +551,11 @@ def main() -> None:
     last: dict[tuple[str, str], dict] = {}
     learner.set_algorithm(VARIANTS["st_ppo"])
     learner.step(trajectories)  # warm-up (allocator, first touch of the optimizer states)
-    print(f"  warm-up step done, RSS {_rss_gib():.2f} GiB", flush=True)
+    print(
+        f"  warm-up step done, RSS {_rss_gib():.2f} GiB, memory token budget "
+        f"{learner.auto_micro_batch_tokens}",
+        flush=True,
+    )
     bench_start = time.perf_counter()
     for round_index in range(1, args.repeats + 1):
         if round_index > 1 and args.max_s > 0 and time.perf_counter() - bench_start > args.max_s:

@@ -89,6 +89,7 @@ from learner import advantages as adv_fns
 from learner import corrections, losses
 from learner.batch import (
     CPU_AUTO_TOKEN_BUDGET,
+    OPTIMIZER_BYTES_PER_PARAMETER,
     TrainingBatch,
     collate_trajectories,
     memory_token_budget,
@@ -124,6 +125,10 @@ from learner.step_metrics import (
 )
 
 _ALGORITHM_ADAPTER: TypeAdapter = TypeAdapter(AlgorithmConfig)
+
+FIRST_STEP_TOKEN_BUDGET = 8192
+"""Cap of the ``micro_batch_tokens = -1`` budget before the first step on CUDA, while the
+optimizer states' size is an estimate (:meth:`Learner._memory_token_budget`)."""
 logger = logging.getLogger(__name__)
 
 
@@ -302,6 +307,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
         )
         self.device = self.policy_engine.device
         self.auto_micro_batch_tokens = self._memory_token_budget()
+        self.budget_settled = self.device.type != "cuda"
 
     # ------------------------------------------------------------------ control
 
@@ -395,18 +401,60 @@ class Learner(CheckpointMixin, SupervisedMixin):
         return plan + [(rows[:1], False)] * (count - len(plan))
 
     def _memory_token_budget(self) -> int:
-        """The token budget ``micro_batch_tokens = -1`` stands for, from the memory free now
-        (:func:`learner.batch.memory_token_budget` on CUDA, 4,096 on CPU)."""
+        """The token budget ``micro_batch_tokens = -1`` stands for (CPU: 4,096).
+
+        On CUDA it is sized twice. At start-up, from the memory free less the AdamW states
+        still to come (:data:`learner.batch.OPTIMIZER_BYTES_PER_PARAMETER` per trainable
+        parameter), at most :data:`FIRST_STEP_TOKEN_BUDGET`; after the first learner or SFT
+        step (:meth:`_settle_token_budget`) from what is available once every state exists,
+        measured rather than estimated. :func:`learner.batch.memory_token_budget` turns
+        either into tokens."""
         if self.device.type != "cuda":
             return CPU_AUTO_TOKEN_BUDGET
         free, _ = torch.cuda.mem_get_info(self.device)
+        trainable = sum(
+            p.numel()
+            for engine in (self.policy_engine, self.critic_engine)
+            for p in engine.module.parameters()
+            if p.requires_grad
+        )
+        pending = trainable * OPTIMIZER_BYTES_PER_PARAMETER
         budget = memory_token_budget(
             free,
             self.policy_engine.module.config,
             gradient_checkpointing=self.config.gradient_checkpointing,
+            pending_bytes=pending,
         )
-        logger.info("micro-batch token budget from %.1f GiB free: %d", free / 2**30, budget)
-        return budget
+        logger.info(
+            "first-step micro-batch token budget from %.1f GiB free, %.1f GiB of optimizer "
+            "states to come: %d tokens (at most %d)",
+            free / 2**30,
+            pending / 2**30,
+            budget,
+            FIRST_STEP_TOKEN_BUDGET,
+        )
+        return min(budget, FIRST_STEP_TOKEN_BUDGET)
+
+    def _settle_token_budget(self) -> None:
+        """After the first learner or SFT step on CUDA: the ``micro_batch_tokens = -1``
+        budget from the memory available now that the optimizer states exist (free on the
+        device plus what torch's allocator holds unused), once."""
+        if self.budget_settled:
+            return
+        self.budget_settled = True
+        free, _ = torch.cuda.mem_get_info(self.device)
+        available = free + torch.cuda.memory_reserved(self.device)
+        available -= torch.cuda.memory_allocated(self.device)
+        self.auto_micro_batch_tokens = memory_token_budget(
+            available,
+            self.policy_engine.module.config,
+            gradient_checkpointing=self.config.gradient_checkpointing,
+        )
+        logger.info(
+            "micro-batch token budget from %.1f GiB available after the first step: %d tokens",
+            available / 2**30,
+            self.auto_micro_batch_tokens,
+        )
 
     def _micro_chunks(self, batch: TrainingBatch, rows: list[int]) -> list[list[int]]:
         """``rows`` cut into micro-batches: by token budget (``micro_batch_tokens > 0``, or
@@ -455,6 +503,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
         self._optimize(batch, algorithm, acc)
         self.global_step += 1
         self.policy_version += 1
+        self._settle_token_budget()
         step_s = time.perf_counter() - start
         metrics = step_metrics(
             batch, algorithm, selection, acc, staleness, step_s,
