@@ -308,6 +308,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
         self.device = self.policy_engine.device
         self.auto_micro_batch_tokens = self._memory_token_budget()
         self.budget_settled = self.device.type != "cuda"
+        self.optimizer_peak_bytes = 0
 
     # ------------------------------------------------------------------ control
 
@@ -437,21 +438,25 @@ class Learner(CheckpointMixin, SupervisedMixin):
 
     def _settle_token_budget(self) -> None:
         """After the first learner or SFT step on CUDA: the ``micro_batch_tokens = -1``
-        budget from the memory available now that the optimizer states exist (free on the
-        device plus what torch's allocator holds unused), once."""
+        budget from the memory the optimizer steps leave, once. The peak allocated during
+        the first step's optimizer steps (every state and the step's temporaries, no
+        activations; ``torch.cuda.max_memory_allocated`` is reset for them) and what is
+        not torch's (the CUDA context) come off the device's total."""
         if self.budget_settled:
             return
         self.budget_settled = True
-        free, _ = torch.cuda.mem_get_info(self.device)
-        available = free + torch.cuda.memory_reserved(self.device)
-        available -= torch.cuda.memory_allocated(self.device)
+        if self.optimizer_peak_bytes == 0:  # no bf16/ZeRO optimizer step was taken
+            return
+        free, total = torch.cuda.mem_get_info(self.device)
+        not_torch = total - free - torch.cuda.memory_reserved(self.device)
+        available = total - not_torch - self.optimizer_peak_bytes
         self.auto_micro_batch_tokens = memory_token_budget(
             available,
             self.policy_engine.module.config,
             gradient_checkpointing=self.config.gradient_checkpointing,
         )
         logger.info(
-            "micro-batch token budget from %.1f GiB available after the first step: %d tokens",
+            "micro-batch token budget from %.1f GiB left by the optimizer steps: %d tokens",
             available / 2**30,
             self.auto_micro_batch_tokens,
         )
@@ -1132,7 +1137,13 @@ class Learner(CheckpointMixin, SupervisedMixin):
                 return False, norm
             engine.step()
             return True, norm
-        engine.step()
+        if self.budget_settled:
+            engine.step()
+        else:  # the first step's optimizer peak sizes the token budget (_settle_token_budget)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            engine.step()
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.optimizer_peak_bytes = max(self.optimizer_peak_bytes, peak)
         return bool(engine.was_step_applied()), _scalar(engine.get_global_grad_norm())
 
     @staticmethod

@@ -18,10 +18,11 @@
 #       The --learner install, the CUDA sequence-packing test, and the learner at a size users
 #       train: random SmolLM2-1.7B shapes, policy + critic + reference, bf16 ZeRO-2, 64
 #       trajectories; st_ppo and so_grpo on the chunked path (micro-batches of 4) and the packed
-#       path (micro-batches by a token budget sized from free GPU memory), side by side, with
-#       the share of the bf16 peak and peak memory (under 4 minutes on an H100 or H200).
-#       --with-3b adds one st_ppo step at a Llama-3.2-3B shape with gradient checkpointing
-#       (a GPU of 120 GiB or more: policy, critic and their AdamW states take ~110 GiB).
+#       path (4,096 real tokens per micro-batch, and a budget sized from GPU memory), side by
+#       side, with the share of the bf16 peak and peak memory (151 s on an H200). --with-3b
+#       adds one st_ppo step at a Llama-3.2-3B shape with gradient checkpointing and packed
+#       micro-batches of 8,192 tokens (a GPU of 140 GiB: the 3B policy and critic with their
+#       AdamW states take ~127 GiB, the step peaks near 132).
 #
 # Either mode writes DIR/report.txt and DIR/figures.json (default DIR runs/gpu_smoke), plus
 # DIR/details/ (test reports, benchmark JSON and logs). Every step that fails stops the
@@ -47,7 +48,7 @@ while (($#)); do
     --with-3b) WITH_3B=1 ;;
     --out) OUT_DIR=${2:?--out needs a directory}; shift ;;
     --bundle) BUNDLE=${2:?--bundle needs a directory}; shift ;;
-    -h | --help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "[gpu-smoke] unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -158,7 +159,7 @@ if [[ "$MODE" == scale ]]; then
   if ((WITH_3B)); then
     run scale_3b "$PY" benchmarks/learner_step.py --shape 3b --model "$MODEL" \
       --dtype bf16 --zero-stage 2 --repeats 1 --batch 64 --mini 16 --micro 4 \
-      --micro-tokens -1 --variants st_ppo --paths packed --no-sft --gradient-checkpointing \
+      --variants st_ppo --paths packed@8192 --no-sft --gradient-checkpointing \
       --out "$DETAILS/scale_3b.json"
   fi
 else
