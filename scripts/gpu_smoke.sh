@@ -48,7 +48,7 @@ while (($#)); do
     --with-3b) WITH_3B=1 ;;
     --out) OUT_DIR=${2:?--out needs a directory}; shift ;;
     --bundle) BUNDLE=${2:?--bundle needs a directory}; shift ;;
-    -h | --help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "[gpu-smoke] unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
