@@ -51,47 +51,64 @@ def make_trajectory(
     ).validate()
 
 
-def make_uneven_batch(seed: int = 0, num: int = 6) -> list[Trajectory]:
-    """Trajectories of 2..12 prompt and 2..40 response tokens (2 turns), groups of 2, so
-    short ones share packed rows (rows are as wide as the longest trajectory)."""
-    rng = np.random.default_rng(seed)
+def _grouped_batch(
+    rng: np.random.Generator, shapes: list[tuple[int, list[int]]], low: float, high: float
+) -> list[Trajectory]:
+    """One trajectory per ``(prompt length, loss mask)`` of ``shapes``: random token ids,
+    behaviour log-probs uniform in [-high, -low] on policy tokens, groups of 2 with rewards
+    1, 0, 1, 0, ..."""
     out = []
-    for i in range(num):
-        prompt = rng.integers(10, 1000, int(rng.integers(2, 13))).tolist()
-        first, env = int(rng.integers(1, 16)), int(rng.integers(0, 12))
-        second = int(rng.integers(1, 12))
-        mask = [1] * first + [0] * env + [1] * second
+    for i, (prompt_length, mask) in enumerate(shapes):
         out.append(
             make_trajectory(
-                prompt,
+                rng.integers(10, 1000, prompt_length).tolist(),
                 rng.integers(10, 1000, len(mask)).tolist(),
                 mask,
-                [-float(rng.uniform(6.0, 12.0)) * m for m in mask],
+                [-float(rng.uniform(low, high)) * m for m in mask],
                 reward=float(i % 2 == 0),
                 group_id=f"g{i // 2}",
             )
         )
     return out
+
+
+def make_uneven_batch(seed: int = 0, num: int = 6) -> list[Trajectory]:
+    """Trajectories of 2..12 prompt and 2..40 response tokens (2 turns), groups of 2, so
+    short ones share packed rows (rows are as wide as the longest trajectory)."""
+    rng = np.random.default_rng(seed)
+    shapes = []
+    for _ in range(num):
+        prompt_length = int(rng.integers(2, 13))
+        first, env = int(rng.integers(1, 16)), int(rng.integers(0, 12))
+        second = int(rng.integers(1, 12))
+        shapes.append((prompt_length, [1] * first + [0] * env + [1] * second))
+    return _grouped_batch(rng, shapes, 6.0, 12.0)
 
 
 def make_batch(seed: int, num: int = 4) -> list[Trajectory]:
     """``num`` two-turn trajectories in groups of 2, rewards 1, 0, 1, 0, ...; behaviour
     log-probs drawn far from the random model's (about -10.8 = -log 49152), so tokens clip."""
     rng = np.random.default_rng(seed)
-    out = []
-    for i in range(num):
-        mask = [1] * 4 + [0] * 3 + [1] * 3
-        out.append(
-            make_trajectory(
-                rng.integers(10, 1000, 5 + i).tolist(),
-                rng.integers(10, 1000, len(mask)).tolist(),
-                mask,
-                [-float(rng.uniform(8.0, 13.0)) * m for m in mask],
-                reward=float(i % 2 == 0),
-                group_id=f"g{i // 2}",
-            )
-        )
-    return out
+    mask = [1] * 4 + [0] * 3 + [1] * 3
+    return _grouped_batch(rng, [(5 + i, mask) for i in range(num)], 8.0, 13.0)
+
+
+def make_tiny_learner(path, algorithm, **overrides):
+    """A :class:`learner.trainer.Learner` on the model folder ``path`` in float32, ZeRO 0,
+    4 trajectories per step and per mini-batch, micro-batches of 2, actor lr 1e-3;
+    ``overrides`` replace any :class:`learner.config.LearnerConfig` field."""
+    from learner.config import LearnerConfig
+    from learner.trainer import Learner
+
+    base = dict(
+        dtype="fp32",
+        zero_stage=0,
+        train_batch_size=4,
+        mini_batch_size=4,
+        micro_batch_size=2,
+        actor_lr=1e-3,
+    )
+    return Learner(path, LearnerConfig(**{**base, **overrides}), algorithm, seed=0)
 
 
 def expected_sft_loss(model: torch.nn.Module, trajectories: list[Trajectory], pad_id: int) -> float:

@@ -4,28 +4,14 @@ the AdamW step by exactly ``s`` where a loss multiplier barely moves it (spec se
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from learner_factories import make_batch
+from learner_factories import make_batch, make_tiny_learner
 
-from learner.config import LearnerConfig, SPPOConfig, STPPOConfig
+from learner.config import SPPOConfig, STPPOConfig
 from learner.trainer import Learner
 
 pytestmark = pytest.mark.integration
-
-
-def make_learner(path: Path, algorithm, **overrides) -> Learner:
-    base = dict(
-        dtype="fp32",
-        zero_stage=0,
-        train_batch_size=4,
-        mini_batch_size=4,
-        micro_batch_size=2,
-        actor_lr=1e-3,
-    )
-    return Learner(path, LearnerConfig(**{**base, **overrides}), algorithm, seed=0)
 
 
 def displacement(learner: Learner, before: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -37,7 +23,7 @@ def displacement(learner: Learner, before: dict[str, torch.Tensor]) -> torch.Ten
 def test_one_clip_bias_norm_per_optimizer_step_whatever_the_micro_batch(tiny_llama_dir, cls):
     algorithm = cls(off_policy="behavior", token_log_ratio_bound=None, tau=1e-3)
     runs = [
-        make_learner(tiny_llama_dir, algorithm, micro_batch_size=m).step(make_batch(5))
+        make_tiny_learner(tiny_llama_dir, algorithm, micro_batch_size=m).step(make_batch(5))
         for m in (1, 2, 4)
     ]
     for other in runs[1:]:
@@ -50,7 +36,7 @@ def test_one_clip_bias_norm_per_optimizer_step_whatever_the_micro_batch(tiny_lla
 def test_update_target_moves_parameters_exactly_s_times_as_far(tiny_llama_dir, target, expect_half):
     """From the same (fresh) AdamW state, s = 0.5 moves the parameters half as far as s = 1
     with ``scale_target = update``; as a loss multiplier Adam normalises it away."""
-    unscaled = make_learner(
+    unscaled = make_tiny_learner(
         tiny_llama_dir, STPPOConfig(off_policy="behavior", token_log_ratio_bound=None, tau=1e6)
     )
     start = unscaled.export_weights().state_dict
@@ -59,7 +45,7 @@ def test_update_target_moves_parameters_exactly_s_times_as_far(tiny_llama_dir, t
     full = displacement(unscaled, start)
 
     tau = first.clip_bias_norm / 2.0  # triggered scale: s = tau / ||C|| = 0.5
-    scaled = make_learner(
+    scaled = make_tiny_learner(
         tiny_llama_dir,
         STPPOConfig(
             off_policy="behavior", token_log_ratio_bound=None, tau=tau, scale_target=target

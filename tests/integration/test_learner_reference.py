@@ -25,12 +25,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from learner_factories import make_batch
+from learner_factories import make_batch, make_tiny_learner
 from transformers import AutoModelForCausalLM
 
 from learner.batch import TrainingBatch, collate_trajectories
-from learner.config import VARIANT_CONFIGS, LearnerConfig
-from learner.trainer import Learner
+from learner.config import VARIANT_CONFIGS
 
 pytestmark = pytest.mark.integration
 
@@ -269,20 +268,7 @@ def check_against_reference(
     variant, overrides, tiny_llama_dir: Path, atol: float = 2e-7, **learner_overrides
 ):
     cfg = VARIANT_CONFIGS[variant](kl_coef=KL_COEF, **overrides)
-    learner = Learner(
-        tiny_llama_dir,
-        LearnerConfig(
-            dtype="fp32",
-            zero_stage=0,
-            train_batch_size=4,
-            mini_batch_size=4,
-            micro_batch_size=2,
-            actor_lr=1e-4,
-            **learner_overrides,
-        ),
-        cfg,
-        seed=0,
-    )
+    learner = make_tiny_learner(tiny_llama_dir, cfg, actor_lr=1e-4, **learner_overrides)
     trajs = trajectories()
     if cfg.proximal == "loglinear":
         learner.policy_version = 5  # two versions ahead of the batch's (3): alpha = 1 at j = 0

@@ -7,31 +7,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from learner_factories import make_batch
+from learner_factories import make_batch, make_tiny_learner
 
 from learner.config import LearnerConfig, PPOConfig
-from learner.trainer import Learner, use_fused_adamw
+from learner.trainer import use_fused_adamw
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_fused_adamw_takes_the_foreach_step(tiny_llama_dir, zero_stage):
     params = {}
     for fused in (False, True):
-        learner = Learner(
+        learner = make_tiny_learner(
             tiny_llama_dir,
-            LearnerConfig(
-                dtype="fp32",
-                zero_stage=zero_stage,
-                train_batch_size=4,
-                mini_batch_size=4,
-                micro_batch_size=2,
-                actor_lr=1e-3,
-                critic_lr=1e-3,
-                weight_decay=0.01,
-                fused_adamw=fused,
-            ),
             PPOConfig(),
-            seed=0,
+            zero_stage=zero_stage,
+            critic_lr=1e-3,
+            weight_decay=0.01,
+            fused_adamw=fused,
         )
         optimizer = learner.policy_engine.optimizer
         inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the AdamW

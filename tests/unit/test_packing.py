@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from learner_factories import make_trajectory, make_uneven_batch
+from learner_factories import make_tiny_learner, make_trajectory, make_uneven_batch
 
 from learner.batch import collate_trajectories, token_budget_micro_batches
-from learner.config import GRPOConfig, LearnerConfig, PPOConfig
+from learner.config import GRPOConfig, PPOConfig
 from learner.logprobs import lm_head_of, masked_token_stats
 from learner.modeling import ValueModel
 from learner.packing import pack_rows, packed_inputs, padded_inputs
@@ -159,23 +159,15 @@ def test_learner_step_losses_packed_equal_padded(algorithm, tiny_llama_dir):
     """One learner step (reference, critic, policy forwards and backwards, optimizer step)
     on uneven trajectories, packed and padded, in float32: every loss and statistic within
     1e-5, and the updated policy within rounding."""
-    from learner.trainer import Learner
-
     results = {}
     for packed in (False, True):
-        learner = Learner(
+        learner = make_tiny_learner(
             tiny_llama_dir,
-            LearnerConfig(
-                dtype="fp32",
-                zero_stage=0,
-                train_batch_size=6,
-                mini_batch_size=6,
-                micro_batch_size=6,
-                actor_lr=1e-3,
-                pack_sequences=packed,
-            ),
             algorithm,
-            seed=0,
+            train_batch_size=6,
+            mini_batch_size=6,
+            micro_batch_size=6,
+            pack_sequences=packed,
         )
         metrics = learner.step(make_uneven_batch())
         params = {n: p.detach().clone() for n, p in learner.policy_engine.module.named_parameters()}
