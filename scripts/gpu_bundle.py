@@ -27,6 +27,19 @@ CPU test in ``tests/integration/test_gpu_smoke_offline.py`` uses it).
 installs every bundled wheel whose distribution the interpreter lacks, or has at another
 version, into ``--target`` (put it first on ``PYTHONPATH``) with ``pip install --no-index
 --no-deps --find-links``; the interpreter's own packages are never touched.
+
+The job's wheels (Ray, the retrieval server's FastAPI stack, the CLI's typer and rich: what
+the driver imports beyond the learner path, :func:`job_closure`) are ~100 MiB, more than one
+command carries (64 MiB). ``prepare --job`` also writes them as a tar in parts of at most
+``--part-mib`` (default 48) with a manifest of sha256 sums, ``.gpu-bundle/job-parts/``; each
+part goes up with one command while the machine stays warm (into the same ignored folder), and
+there::
+
+    python3 scripts/gpu_bundle.py join --bundle .gpu-bundle   # checks every part, then the tar
+    python3 scripts/gpu_bundle.py install --bundle .gpu-bundle --job
+
+``join`` names the parts still missing (or damaged) and writes nothing until all are there and
+each sum matches; then ``install --job`` installs the job's wheels the interpreter lacks too.
 """
 
 from __future__ import annotations
@@ -37,11 +50,14 @@ import csv
 import hashlib
 import importlib.metadata
 import io
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -66,6 +82,34 @@ MODEL_NAME = "smollm2-135m-instruct"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
 MANYLINUX = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 MIB = 2**20
+
+
+JOB_ROOTS = (
+    "ray",
+    "fastapi",
+    "uvicorn",
+    "httptools",
+    "uvloop",
+    "httpx",
+    "typer",
+    "rich",
+    "tqdm",
+    "bm25s",
+    "pystemmer",
+    "prometheus-client",
+)
+"""What the job imports beyond the learner path (:data:`WHEELS`): local Ray, the retrieval
+server (FastAPI, uvicorn, BM25), the driver's HTTP client and metrics, the CLI."""
+
+MACHINE_ROOTS = ("torch", "transformers")
+"""What the GPU machine's Python has, with everything they require."""
+
+PART_MIB = 48
+"""Default size of a job part: with the checkout (~3 MiB) and the learner bundle (~8 MiB)
+well within one command's 64 MiB."""
+
+JOB_TAR = "job-wheels"
+"""Stem of the job's tar, its parts (``job-wheels.tar.part-000``...) and manifest."""
 
 
 def canonical(name: str) -> str:
@@ -160,6 +204,35 @@ def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def prepare_job(out: Path, python_version: str, from_installed: bool, part_mib: int) -> Path:
+    """The job's wheels (:func:`job_closure`) as parts under ``out/job-parts``; returns the
+    manifest's path.
+
+    Raises:
+        subprocess.CalledProcessError: pip failed.
+        RuntimeError: the wheel folder does not hold one wheel per distribution.
+    """
+    pins = job_closure(python_version)
+    with tempfile.TemporaryDirectory() as tmp:
+        wheels = Path(tmp)
+        if from_installed:
+            for name in pins:
+                repack_installed(name, wheels)
+        else:
+            cmd = download_command(wheels, python_version)
+            cmd = cmd[: cmd.index("-d") + 2] + [f"{n}=={v}" for n, v in pins.items()]
+            print("[gpu-bundle] " + " ".join(cmd[1:]), flush=True)
+            subprocess.run(cmd, check=True)
+        found = sorted(wheel_name_version(p)[0] for p in wheels.glob("*.whl"))
+        if found != sorted(pins):
+            raise RuntimeError(f"job wheels {found}, expected one of each of {sorted(pins)}")
+        print(f"[gpu-bundle] job wheels: {len(pins)}, {tree_bytes(wheels) / MIB:.1f} MiB")
+        manifest = split_folder(wheels, out / "job-parts", part_mib * MIB)
+    parts = json.loads(manifest.read_text())["parts"]
+    print(f"[gpu-bundle] job parts: {len(parts)} of at most {part_mib} MiB in {manifest.parent}")
+    return manifest
+
+
 def prepare(out: Path, model_dir: Path, python_version: str, from_installed: bool) -> None:
     """Write the bundle (see the module docstring) and print its sizes.
 
@@ -190,6 +263,146 @@ def prepare(out: Path, model_dir: Path, python_version: str, from_installed: boo
     print(f"[gpu-bundle] total {tree_bytes(out) / MIB:.1f} MiB in {out}")
 
 
+def requirement_closure(roots: tuple[str, ...], python_version: str = "3.12") -> dict[str, str]:
+    """Installed distributions ``roots`` need, themselves included, at their installed
+    versions: ``Requires-Dist`` followed transitively (extras not followed), markers
+    evaluated for CPython ``python_version`` on Linux. Requirements not installed here are
+    left out.
+
+    Returns:
+        canonical name -> installed version.
+    """
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    env = {**default_environment(), "python_version": python_version, "sys_platform": "linux"}
+    env["python_full_version"] = f"{python_version}.0"
+    found: dict[str, str] = {}
+    stack = list(roots)
+    while stack:
+        name = canonical(stack.pop())
+        if name in found:
+            continue
+        version = installed_version(name)
+        if version is None:
+            continue
+        found[name] = version
+        for line in importlib.metadata.distribution(name).requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({**env, "extra": ""}):
+                stack.append(req.name)
+    return found
+
+
+def job_closure(python_version: str = "3.12") -> dict[str, str]:
+    """The job's wheels: :data:`JOB_ROOTS`' closure less what the machine has
+    (:data:`MACHINE_ROOTS`' closure) and less the learner bundle (:data:`WHEELS`)."""
+    machine = requirement_closure(MACHINE_ROOTS, python_version)
+    job = requirement_closure(JOB_ROOTS, python_version)
+    return {n: v for n, v in sorted(job.items()) if n not in machine and n not in WHEELS}
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def split_folder(folder: Path, out: Path, part_bytes: int, stem: str = JOB_TAR) -> Path:
+    """Write ``folder``'s files as one tar in parts of at most ``part_bytes`` into ``out``,
+    with a manifest; returns the manifest's path.
+
+    The tar is deterministic (sorted names, mtime 0, no owners), so the same folder gives
+    the same parts. Manifest (``<stem>.manifest.json``): the tar's bytes and sha256, each
+    part's file name, bytes and sha256, and each member's sha256.
+
+    Raises:
+        ValueError: ``part_bytes < 1`` or ``folder`` holds no file.
+    """
+    if part_bytes < 1:
+        raise ValueError(f"part_bytes must be >= 1, got {part_bytes}")
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    if not files:
+        raise ValueError(f"{folder} holds no file to split")
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(f"{stem}.tar.part-*"):
+        old.unlink()
+    tar_path = out / f"{stem}.tar"
+    with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for path in files:
+            info = tar.gettarinfo(path, arcname=str(path.relative_to(folder)))
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with path.open("rb") as f:
+                tar.addfile(info, f)
+    parts = []
+    with tar_path.open("rb") as f:
+        for index in range(1 << 16):
+            data = f.read(part_bytes)
+            if not data:
+                break
+            part = out / f"{stem}.tar.part-{index:03d}"
+            part.write_bytes(data)
+            parts.append(
+                {"file": part.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            )
+    manifest = {
+        "tar": tar_path.name,
+        "bytes": tar_path.stat().st_size,
+        "sha256": sha256_file(tar_path),
+        "parts": parts,
+        "members": {str(p.relative_to(folder)): sha256_file(p) for p in files},
+    }
+    tar_path.unlink()
+    path = out / f"{stem}.manifest.json"
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    return path
+
+
+def join_parts(manifest_path: Path, out: Path) -> list[str]:
+    """Check the parts beside ``manifest_path`` against it, then unpack their tar into
+    ``out``; returns the member names written.
+
+    Nothing is written unless every part is present with its sha256, the joined tar has
+    the manifest's sha256 and every member unpacks to its own.
+
+    Raises:
+        FileNotFoundError: parts are missing (all of them named).
+        ValueError: a part, the tar or a member does not match its sha256 (named).
+    """
+    manifest = json.loads(manifest_path.read_text())
+    folder = manifest_path.parent
+    missing = [p["file"] for p in manifest["parts"] if not (folder / p["file"]).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} of {len(manifest['parts'])} parts missing in {folder}: "
+            + ", ".join(missing)
+        )
+    for part in manifest["parts"]:
+        if sha256_file(folder / part["file"]) != part["sha256"]:
+            raise ValueError(f"{part['file']}: sha256 differs from the manifest (damaged)")
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        tar_path = Path(tmp) / manifest["tar"]
+        with tar_path.open("wb") as joined:
+            for part in manifest["parts"]:
+                joined.write((folder / part["file"]).read_bytes())
+        if sha256_file(tar_path) != manifest["sha256"]:
+            raise ValueError(f"{manifest['tar']}: the joined parts' sha256 differs")
+        staging = Path(tmp) / "members"
+        with tarfile.open(tar_path) as tar:
+            tar.extractall(staging, filter="data")
+        for name, digest in manifest["members"].items():
+            if sha256_file(staging / name) != digest:
+                raise ValueError(f"{name}: sha256 differs from the manifest")
+        out.mkdir(parents=True, exist_ok=True)
+        for name in manifest["members"]:
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(staging / name, out / name)
+    return sorted(manifest["members"])
+
+
 def installed_version(name: str) -> str | None:
     """The version of distribution ``name`` this interpreter imports, or None."""
     try:
@@ -198,9 +411,10 @@ def installed_version(name: str) -> str | None:
         return None
 
 
-def install(bundle: Path, target: Path, force: bool) -> list[str]:
+def install(bundle: Path, target: Path, force: bool, job: bool = False) -> list[str]:
     """Install the bundled wheels this interpreter lacks (or has at another version) into
-    ``target`` with pip, no index. ``force`` installs every bundled wheel.
+    ``target`` with pip, no index. ``force`` installs every bundled wheel; ``job`` the
+    job's wheels (``job-wheels/``, written by ``join``) instead of the learner's.
 
     Returns:
         The canonical names installed.
@@ -210,13 +424,12 @@ def install(bundle: Path, target: Path, force: bool) -> list[str]:
         RuntimeError: a distribution of :data:`WHEELS` has no wheel in the bundle.
         subprocess.CalledProcessError: pip failed.
     """
-    folder = bundle / "wheels"
+    folder = bundle / ("job-wheels" if job else "wheels")
     if not folder.is_dir():
-        raise FileNotFoundError(
-            f"{folder} is missing: make it with `scripts/gpu_bundle.py prepare`"
-        )
+        how = "`scripts/gpu_bundle.py join`" if job else "`scripts/gpu_bundle.py prepare`"
+        raise FileNotFoundError(f"{folder} is missing: make it with {how}")
     by_name = {wheel_name_version(p)[0]: p for p in sorted(folder.glob("*.whl"))}
-    absent = sorted(set(WHEELS) - set(by_name))
+    absent = [] if job else sorted(set(WHEELS) - set(by_name))
     if absent:
         raise RuntimeError(f"{folder} has no wheel for {absent}")
     todo = []
@@ -249,16 +462,29 @@ def main(argv: list[str] | None = None) -> None:
         help="repack this interpreter's installed distributions (no network; its own Python "
         "version and platform, not --python-version)",
     )
+    prep.add_argument(
+        "--job", action="store_true", help="also the job's wheels, in parts (job-parts/)"
+    )
+    prep.add_argument("--part-mib", type=int, default=PART_MIB, help="largest job part")
     inst = sub.add_parser("install", help="install what is missing, there (no index)")
     inst.add_argument("--bundle", type=Path, default=Path(".gpu-bundle"))
     inst.add_argument("--target", type=Path, default=Path(".cache/gpu-site"))
     inst.add_argument("--force", action="store_true", help="install every bundled wheel")
+    inst.add_argument("--job", action="store_true", help="the job's wheels (after join)")
+    join = sub.add_parser("join", help="check the job parts and unpack them, there")
+    join.add_argument("--bundle", type=Path, default=Path(".gpu-bundle"))
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
             prepare(args.out, args.model, args.python_version, args.from_installed)
+            if args.job:
+                prepare_job(args.out, args.python_version, args.from_installed, args.part_mib)
+        elif args.command == "join":
+            manifest = args.bundle / "job-parts" / f"{JOB_TAR}.manifest.json"
+            names = join_parts(manifest, args.bundle / "job-wheels")
+            print(f"[gpu-bundle] joined {len(names)} job wheels into {args.bundle / 'job-wheels'}")
         else:
-            install(args.bundle, args.target, args.force)
+            install(args.bundle, args.target, args.force, args.job)
     except (subprocess.CalledProcessError, OSError, RuntimeError, ValueError) as error:
         sys.exit(f"[gpu-bundle] {args.command} failed: {error}")
 

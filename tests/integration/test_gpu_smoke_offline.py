@@ -124,3 +124,64 @@ def test_learner_smoke_installs_offline_and_stops_at_the_cuda_check(
     figures = json.loads((out / "figures.json").read_text())
     assert figures["status"] == "stopped" and figures["reason"].startswith("no CUDA device")
     assert "no CUDA device" in (out / "report.txt").read_text()
+
+
+def test_job_bundle_parts_join_and_install_offline(tmp_path: Path, model_dir: Path):
+    """The job's wheels (Ray, FastAPI, BM25...) made into parts of at most 48 MiB (repacked
+    from this venv), carried part by part, joined (every sum checked) and installed with no
+    index into a target folder, from which ray and the retrieval server's stack import."""
+    bundle = tmp_path / "bundle"
+    prep = subprocess.run(
+        [
+            *(sys.executable, str(PROJECT_ROOT / "scripts/gpu_bundle.py"), "prepare"),
+            *("--out", str(bundle), "--model", str(model_dir), "--from-installed", "--job"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert prep.returncode == 0, prep.stdout + prep.stderr
+    parts = sorted((bundle / "job-parts").glob("*.part-*"))
+    assert len(parts) >= 2 and all(p.stat().st_size <= 48 * MIB for p in parts)
+    # the machine: parts arrive one command at a time; join refuses until all are there
+    there = tmp_path / "there"
+    (there / "job-parts").mkdir(parents=True)
+    shutil.copy2(bundle / "job-parts" / "job-wheels.manifest.json", there / "job-parts")
+    script = [sys.executable, str(PROJECT_ROOT / "scripts/gpu_bundle.py")]
+    for i, part in enumerate(parts):
+        joined = subprocess.run(
+            [*script, "join", "--bundle", str(there)], capture_output=True, text=True
+        )
+        assert joined.returncode == 1 and f"{len(parts) - i} of {len(parts)} parts missing" in (
+            joined.stderr
+        ), joined.stderr
+        shutil.copy2(part, there / "job-parts")
+    joined = subprocess.run(
+        [*script, "join", "--bundle", str(there)], capture_output=True, text=True
+    )
+    assert joined.returncode == 0, joined.stderr
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull}
+    site = tmp_path / "site"
+    install = subprocess.run(
+        [*script, "install", "--bundle", str(there), "--target", str(site), "--job", "--force"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import ray, fastapi, uvicorn, bm25s; print(ray.__file__, fastapi.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(site)},
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == [
+        f"{site}/ray/__init__.py",
+        f"{site}/fastapi/__init__.py",
+    ], probe.stdout

@@ -53,3 +53,54 @@ def test_install_refuses_a_wheel_folder_missing_a_distribution(tmp_path: Path):
     with pytest.raises(RuntimeError, match="hjson"):
         gpu_bundle.install(tmp_path, tmp_path / "site", force=True)
     assert not (tmp_path / "site").exists()
+
+
+def _folder(tmp_path: Path) -> Path:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    for i, size in enumerate([5000, 12000, 1, 7000]):
+        (folder / f"pkg{i}-1.0-py3-none-any.whl").write_bytes(rng.bytes(size))
+    return folder
+
+
+def test_split_then_join_gives_the_files_back(tmp_path: Path):
+    folder = _folder(tmp_path)
+    manifest = gpu_bundle.split_folder(folder, tmp_path / "parts", part_bytes=4096)
+    parts = sorted((tmp_path / "parts").glob("*.part-*"))
+    assert len(parts) > 4 and all(p.stat().st_size <= 4096 for p in parts)
+    again = gpu_bundle.split_folder(folder, tmp_path / "parts2", part_bytes=4096)
+    assert manifest.read_text() == again.read_text()  # deterministic: same parts, same sums
+    names = gpu_bundle.join_parts(manifest, tmp_path / "out")
+    assert names == sorted(p.name for p in folder.iterdir())
+    for name in names:
+        assert (tmp_path / "out" / name).read_bytes() == (folder / name).read_bytes()
+
+
+def test_join_names_missing_and_damaged_parts_and_writes_nothing(tmp_path: Path):
+    manifest = gpu_bundle.split_folder(_folder(tmp_path), tmp_path / "parts", part_bytes=4096)
+    parts = sorted((tmp_path / "parts").glob("*.part-*"))
+    parts[1].rename(tmp_path / "aside")
+    parts[3].unlink()
+    with pytest.raises(FileNotFoundError, match=f"2 of {len(parts)} parts missing") as missing:
+        gpu_bundle.join_parts(manifest, tmp_path / "out")
+    assert parts[1].name in str(missing.value) and parts[3].name in str(missing.value)
+    (tmp_path / "aside").rename(parts[1])
+    data = bytearray(parts[2].read_bytes())
+    data[100] ^= 1
+    parts[2].write_bytes(bytes(data))
+    parts[3].write_bytes(b"")
+    with pytest.raises(ValueError, match=parts[2].name):
+        gpu_bundle.join_parts(manifest, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_job_closure_is_what_the_machine_lacks():
+    """Ray and the retrieval server's stack, with their requirements, less what torch and
+    transformers bring and less the learner bundle."""
+    job = gpu_bundle.job_closure()
+    assert {"ray", "fastapi", "uvicorn", "bm25s", "msgpack"} <= set(job)
+    assert not {"torch", "transformers", "numpy", "deepspeed", "pydantic"} & set(job)
+    assert job["ray"] == "2.60.0"
