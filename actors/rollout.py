@@ -511,7 +511,9 @@ def build_engine(model_path: str, cfg: RolloutConfig, seed: int) -> GenerationEn
 
     ``vllm`` falls back to ``hf``, with one logged line, where vLLM is not installed (a
     machine set up without the ``cpu`` / ``gpu`` extra). ``dtype = "auto"`` is resolved
-    here, on the machine the engine runs on (:func:`actors.hardware.resolve_dtype`).
+    here, on the machine the engine runs on (:func:`actors.hardware.resolve_dtype`). The HF
+    engine runs on the GPU where this process sees one (a rollout actor given
+    ``ray.rollout_actor_gpus > 0``), on the CPU otherwise.
     """
     import torch
 
@@ -529,7 +531,8 @@ def build_engine(model_path: str, cfg: RolloutConfig, seed: int) -> GenerationEn
     if engine == "hf":
         from actors.engines.hf import HFEngine
 
-        return HFEngine(model_path, seed=seed, dtype=dtype.torch_dtype)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return HFEngine(model_path, seed=seed, dtype=dtype.torch_dtype, device=device)
     from actors.engines.vllm import VLLMEngine
 
     return VLLMEngine(

@@ -23,8 +23,15 @@
 #       adds one st_ppo step at a Llama-3.2-3B shape with gradient checkpointing and packed
 #       micro-batches of 8,192 tokens (a GPU of 140 GiB: the 3B policy and critic with their
 #       AdamW states take ~127 GiB, the step peaks near 132).
+#   scripts/gpu_smoke.sh --job [--bundle DIR] [--out DIR]
+#       The whole job on one GPU, no network: the --learner install plus the job's wheels
+#       (Ray, FastAPI, BM25), joined from the parts `scripts/gpu_bundle.py prepare --job` made
+#       (carried one part per command; `join` names what is missing), then the synthetic task
+#       (`prepare-synthetic`, no download) trained for 4 RL steps: local Ray, the HF engine on
+#       CUDA in the rollout actor and the DeepSpeed learner on CUDA sharing the GPU (0.5 each),
+#       object-store weight sync, the retrieval server on the CPU.
 #
-# Either mode writes DIR/report.txt and DIR/figures.json (default DIR runs/gpu_smoke), plus
+# Every mode writes DIR/report.txt and DIR/figures.json (default DIR runs/gpu_smoke), plus
 # DIR/details/ (test reports, benchmark JSON and logs). Every step that fails stops the
 # script with "[gpu-smoke] FAILED ..." on stderr and a non-zero exit, except the test and
 # benchmark steps: those are all run, each failure is named in the report and the exit is 1.
@@ -45,10 +52,11 @@ while (($#)); do
   case "$1" in
     --learner) MODE=learner ;;
     --scale) MODE=scale ;;
+    --job) MODE=job ;;
     --with-3b) WITH_3B=1 ;;
     --out) OUT_DIR=${2:?--out needs a directory}; shift ;;
     --bundle) BUNDLE=${2:?--bundle needs a directory}; shift ;;
-    -h | --help) sed -n '2,35p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,42p' "$0"; exit 0 ;;
     *) echo "[gpu-smoke] unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -91,18 +99,26 @@ else
   force=()
   [[ "${STPPO_GPU_FORCE_INSTALL:-0}" == 1 ]] && force=(--force)
   "$PY" scripts/gpu_bundle.py install --bundle "$BUNDLE" --target "$SITE" "${force[@]}"
+  if [[ "$MODE" == job ]]; then
+    "$PY" scripts/gpu_bundle.py join --bundle "$BUNDLE" \
+      || stop "the job's wheels are not all here: carry the missing parts of $BUNDLE/job-parts" 1
+    "$PY" scripts/gpu_bundle.py install --bundle "$BUNDLE" --target "$SITE" --job "${force[@]}"
+  fi
+fi
+IMPORTS="torch transformers pydantic tenacity deepspeed pytest learner.trainer actors.engines.hf actors.retrieval_client"
+if [[ "$MODE" == job ]]; then
+  IMPORTS="$IMPORTS ray fastapi uvicorn bm25s services.driver"
 fi
 
 # one interpreter for the three checks (importing torch + DeepSpeed is the slow part)
 MODEL=${STPPO_DATA_DIR:-data}/model/smollm2-135m-instruct
 log "imports, model folder $MODEL, CUDA"
-"$PY" - "$MODEL" "$DETAILS/cuda.txt" <<'EOF'
+"$PY" - "$MODEL" "$DETAILS/cuda.txt" $IMPORTS <<'EOF'
 import importlib
 import sys
 from pathlib import Path
 
-for name in ("torch", "transformers", "pydantic", "tenacity", "deepspeed", "pytest",
-             "learner.trainer", "actors.engines.hf", "actors.retrieval_client"):
+for name in sys.argv[3:]:
     module = importlib.import_module(name)
     version = getattr(module, "__version__", "")
     print(f"[gpu-smoke]   {name:24s} {version:14s} {module.__file__}")
@@ -177,6 +193,13 @@ if [[ "$MODE" == full ]]; then
     ray.learner_gpus=$learner_gpus ray.rollout_actor_gpus=$engine_gpus \
     rollout.vllm_kv_cache_gib=4 \
     sync.transport=$transport
+elif [[ "$MODE" == job ]]; then
+  run tests_gpu "${PYTEST[@]}" --junitxml="$DETAILS/tests_gpu.xml" -k build_engine \
+    tests/gpu/test_hf_engine_cuda.py
+  run prepare_synthetic "$PY" -m services.cli prepare-synthetic
+  run main_job "$PY" -m services.cli train @deploy/configs/synthetic.toml \
+    run.name=gpu_smoke run.output_dir="$DETAILS" run.num_steps=4 ray.num_cpus="$(nproc)" \
+    ray.learner_gpus=0.5 ray.rollout_actor_gpus=0.5 sync.transport=object_store
 elif [[ "$MODE" == learner ]]; then
   # the HF engine's contract (its vLLM cases are marked `vllm`: not installed here)
   run tests_contract "${PYTEST[@]}" --junitxml="$DETAILS/tests_contract.xml" -m "not vllm" \

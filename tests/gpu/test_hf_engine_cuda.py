@@ -166,3 +166,14 @@ def test_cuda_engine_logprobs_equal_the_cuda_learner_before_and_after_a_step(
     engine.load_weights(export.state_dict, export.policy_version)
     after = logprob_gaps(learner, rollout(engine, temperature, version=1))
     assert_close_gaps(after, dtype, record_property, "after_load")
+
+
+def test_build_engine_puts_the_hf_engine_on_the_gpu(tiny_llama_dir: Path):
+    """A rollout actor that sees a GPU (``ray.rollout_actor_gpus > 0``) generates on it:
+    ``build_engine`` used to leave the HF engine on the CPU whatever the device."""
+    from actors.config import RolloutConfig
+    from actors.rollout import build_engine
+
+    engine = build_engine(str(tiny_llama_dir), RolloutConfig(engine="hf", dtype="bf16"), seed=0)
+    assert engine.device.type == "cuda"
+    assert next(engine.model.parameters()).device.type == "cuda"

@@ -56,7 +56,7 @@ def checkout_files() -> list[str]:
     return [f for f in out.split("\0") if f and f.split("/")[0] != "data"]
 
 
-@pytest.mark.parametrize("mode", ["--learner", "--scale"])
+@pytest.mark.parametrize("mode", ["--learner", "--scale", "--job"])
 def test_learner_smoke_installs_offline_and_stops_at_the_cuda_check(
     tmp_path: Path, model_dir: Path, mode: str
 ):
@@ -73,6 +73,7 @@ def test_learner_smoke_installs_offline_and_stops_at_the_cuda_check(
         [
             *(sys.executable, "scripts/gpu_bundle.py", "prepare", "--out", ".gpu-bundle"),
             *("--model", str(model_dir), "--from-installed"),
+            *(["--job"] if mode == "--job" else []),
         ],
         cwd=root,
         capture_output=True,
@@ -83,8 +84,12 @@ def test_learner_smoke_installs_offline_and_stops_at_the_cuda_check(
     bundle = root / ".gpu-bundle"
     assert not list(bundle.rglob("*.safetensors"))
     assert (bundle / "data/model/smollm2-135m-instruct/tokenizer.json").is_file()
-    total = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-    assert total < CARRY_LIMIT_MIB * MIB, f"checkout + bundle {total / MIB:.1f} MiB"
+    # what one command carries: checkout + learner bundle, plus at most one job part
+    parts = sorted(bundle.glob("job-parts/*.part-*"))
+    total = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and f not in parts)
+    largest = max((p.stat().st_size for p in parts), default=0)
+    assert total + largest < CARRY_LIMIT_MIB * MIB, f"one carry {(total + largest) / MIB:.1f} MiB"
+    assert (mode == "--job") == bool(parts)
 
     cache = str(PROJECT_ROOT / ".cache")  # conftest pointed HF_HOME, TMPDIR... there
     env = {
@@ -114,12 +119,19 @@ def test_learner_smoke_installs_offline_and_stops_at_the_cuda_check(
     assert "Traceback" not in log and "ModuleNotFoundError" not in log, log
     site = root / ".cache" / "gpu-site"
     installed = {p.name.split("-")[0].lower().replace("_", "-") for p in site.glob("*.dist-info")}
-    assert installed == set(BUNDLED), log
+    if mode == "--job":  # the learner's wheels and the job's, joined from the parts
+        assert set(BUNDLED) | {"ray", "fastapi", "uvicorn", "bm25s"} <= installed, log
+        assert "[gpu-bundle] joined" in run.stdout, log
+    else:
+        assert installed == set(BUNDLED), log
     # the bundled copies are the ones imported (the site folder comes first on the path)
     imported = dict(re.findall(r"^\[gpu-smoke\]\s+(\S+)\s+\S*\s+(/\S+)$", run.stdout, re.M))
     assert imported["deepspeed"] == f"{site}/deepspeed/__init__.py", log
     assert imported["pydantic"] == f"{site}/pydantic/__init__.py", log
     assert imported["learner.trainer"] == f"{root}/learner/trainer.py", log
+    if mode == "--job":
+        assert imported["ray"] == f"{site}/ray/__init__.py", log
+        assert imported["services.driver"] == f"{root}/services/driver.py", log
     assert "model: llama, 30 layers, hidden 576" in log, log
     figures = json.loads((out / "figures.json").read_text())
     assert figures["status"] == "stopped" and figures["reason"].startswith("no CUDA device")
