@@ -165,7 +165,7 @@ run() {
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o junit_family=xunit1)  # xunit1: test properties
 if [[ "$MODE" == scale ]]; then
-  run tests_gpu "${PYTEST[@]}" --junitxml="$DETAILS/tests_gpu.xml" -k packed \
+  run tests_gpu "${PYTEST[@]}" --junitxml="$DETAILS/tests_gpu.xml" -k "packed or budget" \
     tests/gpu/test_learner_cuda.py
   # the issue-46 batch: 64 trajectories spread like the main job's, 4 optimizer steps
   run scale_1.7b "$PY" benchmarks/learner_step.py --shape 1.7b --model "$MODEL" \

@@ -103,3 +103,24 @@ def test_packed_step_on_cuda_equals_padded(tiny_llama_dir: Path, dtype: str):
     tolerance = 1e-5 if dtype == "fp32" else 2e-2
     for key in ("pg_loss", "value_loss", "kl_ref", "entropy", "advantage_mean"):
         assert metrics[True][key] == pytest.approx(metrics[False][key], abs=tolerance), key
+
+
+def test_memory_token_budget_settles_after_the_first_step(tiny_llama_dir: Path):
+    """``micro_batch_tokens = -1`` on CUDA: at most 8,192 tokens before the first step, then
+    the budget from what the first step's optimizer steps left (their peak measured)."""
+    from learner.trainer import FIRST_STEP_TOKEN_BUDGET
+
+    learner = Learner(
+        tiny_llama_dir,
+        config(dtype="bf16", zero_stage=2, micro_batch_tokens=-1, pack_sequences=True),
+        PPOConfig(),
+        seed=0,
+    )
+    assert not learner.budget_settled
+    assert 256 <= learner.auto_micro_batch_tokens <= FIRST_STEP_TOKEN_BUDGET
+    metrics = learner.step(make_batch(2))
+    assert metrics.skipped_steps == 0
+    assert learner.budget_settled and learner.optimizer_peak_bytes > 0
+    total = torch.cuda.get_device_properties(learner.device).total_memory
+    assert learner.optimizer_peak_bytes < total
+    assert learner.auto_micro_batch_tokens >= 256
