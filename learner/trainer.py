@@ -129,6 +129,7 @@ _ALGORITHM_ADAPTER: TypeAdapter = TypeAdapter(AlgorithmConfig)
 FIRST_STEP_TOKEN_BUDGET = 8192
 """Cap of the ``micro_batch_tokens = -1`` budget before the first step on CUDA, while the
 optimizer states' size is an estimate (:meth:`Learner._memory_token_budget`)."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -171,8 +172,8 @@ def deepspeed_config(
         config: the learner section.
         lr: learning rate of this engine's AdamW.
         with_optimizer: False for the frozen reference (ZeRO 0, no optimizer).
-        client_optimizer: the learner builds the optimizer itself (fused AdamW,
-            :func:`build_fused_adamw`): no ``optimizer`` section.
+        client_optimizer: the learner builds the optimizer itself (the fused AdamW of
+            :meth:`Learner._initialize`, :func:`use_fused_adamw`): no ``optimizer`` section.
     """
     bf16 = (
         resolve_dtype(config.dtype, "cuda" if torch.cuda.is_available() else "cpu").name == "bf16"
@@ -463,8 +464,8 @@ class Learner(CheckpointMixin, SupervisedMixin):
 
     def _micro_chunks(self, batch: TrainingBatch, rows: list[int]) -> list[list[int]]:
         """``rows`` cut into micro-batches: by token budget (``micro_batch_tokens > 0``, or
-        -1: the budget sized from memory at start-up), else ``micro_batch_size`` at a time
-        in order. Empty ``rows``: no micro-batch."""
+        -1: the budget sized from memory, :meth:`_memory_token_budget`), else
+        ``micro_batch_size`` at a time in order. Empty ``rows``: no micro-batch."""
         if not rows:
             return []
         budget = self.config.micro_batch_tokens
