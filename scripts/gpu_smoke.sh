@@ -147,6 +147,15 @@ sampler=
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -l 1 >"$DETAILS/gpu_memory.csv" &
   sampler=$!
+  # and per process, with its title (Ray names its actors' processes ray::ClassName...)
+  (while true; do
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
+      while IFS=', ' read -r pid mem; do
+        echo "$pid $mem $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-60)"
+      done
+    sleep 1
+  done) >"$DETAILS/gpu_processes.txt" &
+  sampler="$sampler $!"
   trap 'kill $sampler 2>/dev/null || true' EXIT
 fi
 
@@ -220,7 +229,7 @@ elif [[ "$MODE" == learner ]]; then
   run hf_engine_merge "$PY" benchmarks/hf_engine.py --random-init --model "$MODEL" --device cuda \
     --batch 8 --repeats 5 --merge-contexts 300,900 --out "$DETAILS/hf_engine_merge.json"
 fi
-[[ -n "$sampler" ]] && kill "$sampler" 2>/dev/null || true
+[[ -n "$sampler" ]] && kill $sampler 2>/dev/null || true
 
 # ------------------------------------------------------------------ report
 "$PY" - "$OUT_DIR" "$MODE" "${failed[*]:-}" <<'EOF'
@@ -310,12 +319,27 @@ if steps_file.exists():
         vals = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
         return statistics.median(vals) if vals else float("nan")
 
-    figures["main_job"] = {k: med(k) for k in ("rollout_tokens_per_s", "step_s", "tokens_per_s", "weight_sync_s")}
+    phases = ("rollout_tokens_per_s", "step_s", "tokens_per_s", "weight_sync_s", "rollout_s_mean", "wall_s")
+    figures["main_job"] = {k: med(k) for k in phases}
     figures["main_job"]["rl_steps"] = len(steps)
+    lines.append(f"  per RL step (median)     wall {med('wall_s'):.2f} s, rollout call {med('rollout_s_mean'):.2f} s, "
+                 f"learner step {med('step_s'):.2f} s, weight sync {med('weight_sync_s'):.2f} s")
     lines.append(f"  engine tokens/s          {med('rollout_tokens_per_s'):.0f}")
     lines.append(f"  learner step seconds     {med('step_s'):.2f}  (tokens/s {med('tokens_per_s'):.0f})")
     lines.append(f"  weight-sync seconds      {med('weight_sync_s'):.2f}  (learner side; engine loads overlap)")
     lines.append(f"  RL steps                 {len(steps)}")
+procs_file = details / "gpu_processes.txt"
+if procs_file.exists():  # peak GPU memory per process title (engine actor, learner actor...)
+    peaks = {}
+    for line in procs_file.read_text().splitlines():
+        fields = line.split(maxsplit=2)
+        if len(fields) >= 2 and fields[1].isdigit():
+            # ray::LearnerActor.step -> ray::LearnerActor (the title names the running method)
+            title = fields[2].split()[0].split(".")[0] if len(fields) == 3 and fields[2].strip() else f"pid {fields[0]}"
+            peaks[title] = max(peaks.get(title, 0), int(fields[1]))
+    figures["peak_gpu_memory_by_process_gib"] = {t: m / 1024 for t, m in peaks.items()}
+    for title, mib in sorted(peaks.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  peak GPU memory {title[:28]:28s} {mib / 1024:.1f} GiB")
 mem_file = details / "gpu_memory.csv"
 if mem_file.exists():
     mem = [int(x) for x in mem_file.read_text().split() if x.isdigit()]
