@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 from services.env import PROJECT_ROOT
 
@@ -197,3 +198,51 @@ def test_job_bundle_parts_join_and_install_offline(tmp_path: Path, model_dir: Pa
         f"{site}/ray/__init__.py",
         f"{site}/fastapi/__init__.py",
     ], probe.stdout
+
+
+def _link_distributions(names, site: Path) -> None:
+    """Symlink the top-level files and folders of installed distributions ``names`` into
+    ``site`` (a bare venv's site-packages): that venv then imports exactly those."""
+    import importlib.metadata as metadata
+
+    for name in names:
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        root = Path(dist.locate_file(""))
+        for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
+            if (root / top).exists() and not (site / top).exists():
+                (site / top).symlink_to(root / top)
+
+
+def test_the_job_imports_from_the_machine_and_the_bundles_alone(tmp_path: Path):
+    """A bare venv holding only what the GPU machine has (torch, transformers and what they
+    and the learner's DeepSpeed require) and the two bundles' distributions imports every
+    module the job starts, and the CLI answers: the job's wheel list misses nothing the
+    job imports at start-up. (The whole 4-step synthetic job ran this way on the CPU.)"""
+    gpu_bundle = load_script(PROJECT_ROOT / "scripts" / "gpu_bundle.py", "gpu_bundle")
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import site; print(site.getsitepackages()[0])"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    )  # fmt: skip
+    machine = gpu_bundle.requirement_closure((*gpu_bundle.MACHINE_ROOTS, "deepspeed"))
+    _link_distributions([*machine, *gpu_bundle.WHEELS, *gpu_bundle.job_closure()], site)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    modules = "services.driver, services.cli, retrieval_server.server, actors.engines.hf"
+    probe = subprocess.run(
+        [python, "-c", f"import {modules}, learner.trainer, ray, fastapi; print(ray.__file__)"],
+        cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.strip().startswith(str(site)), probe.stdout
+    cli = subprocess.run(
+        [python, "-m", "services.cli", "--help"],
+        cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert cli.returncode == 0 and "prepare-synthetic" in cli.stdout, cli.stderr[-2000:]
