@@ -53,14 +53,17 @@ class ModelInputs:
             the forward's output reshaped to [R * W, ...]. Off the response (t >= the row's
             response length) it points at some column of the same trajectory: values there
             are meaningless and masked by the caller, as in the padded layout.
-        packed: whether this is the packed layout.
     """
 
     input_ids: Tensor
     attention_mask: Tensor | None
     position_ids: Tensor
     state_index: Tensor
-    packed: bool
+
+    @property
+    def packed(self) -> bool:
+        """Whether this is the packed layout (the one without an attention mask)."""
+        return self.attention_mask is None
 
     @property
     def slots(self) -> int:
@@ -96,9 +99,7 @@ def padded_inputs(batch: TrainingBatch) -> ModelInputs:
     num_response = batch.response_ids.shape[1]
     columns = torch.arange(num_response, device=batch.input_ids.device) + batch.prompt_width - 1
     state_index = torch.arange(rows, device=columns.device).unsqueeze(1) * width + columns
-    return ModelInputs(
-        batch.input_ids, batch.attention_mask, batch.position_ids, state_index, packed=False
-    )
+    return ModelInputs(batch.input_ids, batch.attention_mask, batch.position_ids, state_index)
 
 
 def pack_rows(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
@@ -148,37 +149,41 @@ def packed_inputs(batch: TrainingBatch) -> ModelInputs:
     Raises:
         ValueError: a row without prompt tokens (no column predicts its first response token).
     """
-    prompt_lengths = [int(p) for p in batch.prompt_lengths]
-    response_lengths = [int(r) for r in batch.response_lengths]
+    # the lengths on the host in one transfer; the token ids stay on the batch's device
+    prompt_lengths, response_lengths = torch.stack(
+        [batch.prompt_lengths, batch.response_lengths]
+    ).tolist()
     if min(prompt_lengths) < 1:
         raise ValueError("every row needs at least one prompt token to be packed")
     lengths = [p + r for p, r in zip(prompt_lengths, response_lengths, strict=True)]
     width, places = pack_rows(lengths)
     num_rows = 1 + max(row for row, _ in places)
-    device = batch.input_ids.device
-    input_ids = torch.zeros((num_rows, width), dtype=torch.long)  # the tails' ids: never read
+    # the flat column of the padded batch each packed slot takes its id from; -1 on the
+    # rows' tails (their ids are never read: 0)
+    source = torch.full((num_rows, width), -1, dtype=torch.long)
     # every column starts as "its own one-token sequence" at position 0; trajectories and
     # each row's tail then overwrite with counting positions
     position_ids = torch.zeros((num_rows, width), dtype=torch.long)
     num_response = batch.response_ids.shape[1]
     state_index = torch.zeros((batch.batch_size, num_response), dtype=torch.long)
-    prompt_width = batch.prompt_width
-    cpu_ids = batch.input_ids.cpu()
-    used = [0] * num_rows
+    padded_width, prompt_width = batch.input_ids.shape[1], batch.prompt_width
+    filled = [0] * num_rows
     t = torch.arange(num_response)
     for b, (row, start) in enumerate(places):
         p, n = prompt_lengths[b], lengths[b]
-        input_ids[row, start : start + n] = cpu_ids[b, prompt_width - p : prompt_width - p + n]
+        first = b * padded_width + prompt_width - p
+        source[row, start : start + n] = torch.arange(first, first + n)
         position_ids[row, start : start + n] = torch.arange(n)
-        used[row] = max(used[row], start + n)
+        filled[row] = max(filled[row], start + n)
         # column start + p - 1 + t predicts response token t; past the response, the row's last
         column = start + p - 1 + torch.clamp(t, max=max(response_lengths[b] - 1, 0))
         state_index[b] = row * width + column
-    for row, filled in enumerate(used):  # the tail of padding: one sequence of its own
-        position_ids[row, filled:] = torch.arange(width - filled)
-    return ModelInputs(
-        input_ids.to(device), None, position_ids.to(device), state_index.to(device), packed=True
-    )
+    for row, used in enumerate(filled):  # the tail of padding: one sequence of its own
+        position_ids[row, used:] = torch.arange(width - used)
+    device = batch.input_ids.device
+    source = source.to(device)
+    input_ids = batch.input_ids.flatten()[source.clamp(min=0)].masked_fill(source < 0, 0)
+    return ModelInputs(input_ids, None, position_ids.to(device), state_index.to(device))
 
 
 def model_inputs(batch: TrainingBatch, packed: bool) -> ModelInputs:
