@@ -123,16 +123,21 @@ def wheel_name_version(path: Path) -> tuple[str, str]:
     return canonical(name), version
 
 
-def download_command(dest: Path, python_version: str) -> list[str]:
-    """The ``pip download`` command for the binary wheels of :data:`WHEELS` (all but
-    :data:`SDIST_ONLY`), for CPython ``python_version`` on manylinux x86_64."""
+def download_command(
+    dest: Path, python_version: str, pins: dict[str, str] | None = None
+) -> list[str]:
+    """The ``pip download`` command for the binary wheels of ``pins`` (default: those of
+    :data:`WHEELS`, all but :data:`SDIST_ONLY`), for CPython ``python_version`` on
+    manylinux x86_64."""
     digits = python_version.replace(".", "")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
     cmd += ["--python-version", python_version, "--implementation", "cp", "--abi", f"cp{digits}"]
     for platform in MANYLINUX:
         cmd += ["--platform", platform]
     cmd += ["-d", str(dest)]
-    return cmd + [f"{n}=={v}" for n, v in WHEELS.items() if n not in SDIST_ONLY]
+    if pins is None:
+        pins = {n: v for n, v in WHEELS.items() if n not in SDIST_ONLY}
+    return cmd + [f"{n}=={v}" for n, v in pins.items()]
 
 
 def build_command(dest: Path) -> list[str]:
@@ -219,8 +224,7 @@ def prepare_job(out: Path, python_version: str, from_installed: bool, part_mib: 
             for name in pins:
                 repack_installed(name, wheels)
         else:
-            cmd = download_command(wheels, python_version)
-            cmd = cmd[: cmd.index("-d") + 2] + [f"{n}=={v}" for n, v in pins.items()]
+            cmd = download_command(wheels, python_version, pins)
             print("[gpu-bundle] " + " ".join(cmd[1:]), flush=True)
             subprocess.run(cmd, check=True)
         found = sorted(wheel_name_version(p)[0] for p in wheels.glob("*.whl"))
