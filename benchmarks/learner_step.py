@@ -513,6 +513,7 @@ def main() -> None:
     trajectories = synthetic_batch(learner, args)
     num_tokens = sum(len(t.prompt_ids) + t.num_response_tokens for t in trajectories)
     num_policy = sum(t.num_policy_tokens for t in trajectories)
+    num_parameters = sum(p.numel() for p in learner.policy_engine.module.parameters())
     model_config = learner.policy_engine.module.config
     dtype = learner.dtype_choice.torch_dtype
     names = [n for n in args.variants.split(",") if n] + ([] if args.no_sft else ["sft"])
@@ -523,7 +524,7 @@ def main() -> None:
         f"threads {torch.get_num_threads()}; {len(trajectories)} trajectories, {num_tokens} "
         f"tokens ({num_policy} policy; {padded_tokens(trajectories, args.micro)} in padded "
         f"micro-batches of {args.micro}); shape {args.shape or '135m'}, "
-        f"{sum(p.numel() for p in learner.policy_engine.module.parameters()) / 1e9:.2f} B "
+        f"{num_parameters / 1e9:.2f} B "
         f"parameters, fused AdamW {use_fused_adamw(learner.config)}, memory token budget "
         f"{learner.auto_micro_batch_tokens}",
         flush=True,
@@ -652,7 +653,7 @@ def main() -> None:
         "peak_gpu_allocated_gib": _peak_gpu_gib(),
         "random_init": args.random_init or bool(args.shape),
         "shape": args.shape or "135m",
-        "parameters": sum(p.numel() for p in learner.policy_engine.module.parameters()),
+        "parameters": num_parameters,
         "fused_adamw": use_fused_adamw(learner.config),
         "auto_micro_batch_tokens": learner.auto_micro_batch_tokens,
         "rows": rows,
