@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import time
 from collections import Counter
@@ -77,6 +78,23 @@ def _english_stemmer() -> Any:
     return Stemmer.Stemmer("english")
 
 
+def import_bm25s() -> Any:
+    """``bm25s``, imported with JAX kept off the GPU.
+
+    Where JAX is installed, ``import bm25s`` runs a JAX top-k (``bm25s/selection.py``, 0.3.x),
+    and JAX's first computation on a CUDA machine preallocates 75% of the GPU's memory: the
+    retrieval server of the whole job on one H200 held 105 GiB that way, beside the rollout
+    engine and the learner. BM25 here sums its scores with numpy and never uses JAX, so JAX
+    gets the CPU (``JAX_PLATFORMS=cpu``) unless the environment already chose its platforms.
+    """
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s
+    import bm25s.stopwords
+    import bm25s.tokenization
+
+    return bm25s
+
+
 class BM25Retriever:
     """Okapi BM25 (bm25s defaults: Lucene variant, k1=1.5, b=0.75) over stemmed, lower-cased
     tokens with English stop words removed.
@@ -88,7 +106,7 @@ class BM25Retriever:
     method = "bm25"
 
     def __init__(self, model: Any, passages: Passages) -> None:
-        import bm25s.stopwords
+        bm25s = import_bm25s()
 
         self._model = model
         self.passages = passages
@@ -106,10 +124,11 @@ class BM25Retriever:
     @classmethod
     def build(cls, passages: Passages) -> BM25Retriever:
         """Index ``passages.contents`` (CPU, ~10 s per million passages of ~30 words)."""
-        import bm25s
-        from bm25s.tokenization import Tokenizer
+        bm25s = import_bm25s()
 
-        tokenizer = Tokenizer(stopwords=_BM25_STOPWORDS, stemmer=_english_stemmer())
+        tokenizer = bm25s.tokenization.Tokenizer(
+            stopwords=_BM25_STOPWORDS, stemmer=_english_stemmer()
+        )
         tokens = tokenizer.tokenize(passages.contents, return_as="tuple", show_progress=False)
         model = bm25s.BM25()
         model.index(tokens, show_progress=False)
@@ -122,7 +141,7 @@ class BM25Retriever:
     @classmethod
     def load(cls, directory: Path, passages: Passages, mmap: bool = True) -> BM25Retriever:
         """Load a saved index; ``mmap=True`` maps the score arrays instead of reading them."""
-        import bm25s
+        bm25s = import_bm25s()
 
         model = bm25s.BM25.load(str(directory), mmap=mmap, show_progress=False, verbosity=0)
         num_docs = int(model.scores["num_docs"])

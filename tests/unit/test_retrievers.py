@@ -288,3 +288,39 @@ def test_dense_build_resumes_from_saved_chunks(
     vectors = resumed._index.reconstruct_n(0, 36)
     np.testing.assert_array_equal(vectors[16:32], 0.0)  # read back, not re-encoded
     np.testing.assert_allclose(vectors[:16], first._index.reconstruct_n(0, 16), atol=1e-6)
+
+
+@pytest.mark.parametrize(("chosen", "seen"), [(None, "cpu"), ("cuda", "cuda")])
+def test_bm25_keeps_jax_off_the_gpu(tmp_path: Path, chosen: str | None, seen: str) -> None:
+    """Where JAX is installed, ``import bm25s`` runs a JAX top-k, and JAX's first computation
+    on a CUDA machine takes 75% of the GPU (the whole job on an H200: 105 GiB in the
+    retrieval server). A stand-in ``jax`` records the platform it was given at that call:
+    the CPU, unless the environment chose one."""
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "site" / "jax"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "lax.py").write_text(
+        "import os\n"
+        "def top_k(scores, k):\n"
+        "    with open(os.environ['JAX_SEEN'], 'w') as f:\n"
+        "        f.write(os.environ.get('JAX_PLATFORMS', '<unset>'))\n"
+        "    return scores[:k], list(range(k))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    if chosen is not None:
+        env["JAX_PLATFORMS"] = chosen
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(fake.parent), str(root)])
+    env["JAX_SEEN"] = str(tmp_path / "seen.txt")
+    code = (
+        "from retrieval_server.passages import load_passages\n"
+        "from retrieval_server.retrievers import BM25Retriever\n"
+        "from retrieval_server.testing import FIXTURE_CORPUS\n"
+        "BM25Retriever.build(load_passages(FIXTURE_CORPUS))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    assert (tmp_path / "seen.txt").read_text() == seen
