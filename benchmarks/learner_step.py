@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import resource
 import statistics
@@ -552,9 +553,16 @@ def main() -> None:
     last: dict[tuple[str, str], dict] = {}
     learner.set_algorithm(VARIANTS["st_ppo"])
     learner.step(trajectories)  # warm-up (allocator, first touch of the optimizer states)
+    probe = learner.memory_probe
+    measured = (
+        f" (measured: states {probe.state_bytes / 2**30:.1f} GiB, "
+        f"{probe.bytes_per_token / 2**10:.0f} KiB per token)"
+        if probe.optimizer_steps
+        else ""
+    )
     print(
         f"  warm-up step done, RSS {_rss_gib():.2f} GiB, memory token budget "
-        f"{learner.auto_micro_batch_tokens}",
+        f"{learner.auto_micro_batch_tokens}{measured}",
         flush=True,
     )
     bench_start = time.perf_counter()
@@ -637,6 +645,7 @@ def main() -> None:
             "per_trajectory": [len(t.prompt_ids) + t.num_response_tokens for t in trajectories],
         },
         "threads": torch.get_num_threads(),
+        "memory_probe": dataclasses.asdict(learner.memory_probe),
         "matmul": {
             "shape": [4096, model_config.hidden_size, model_config.intermediate_size],
             "tflops_per_round": [r / 1e12 for r in rates],

@@ -365,3 +365,73 @@ def memory_token_budget(
         model_config, gradient_checkpointing=gradient_checkpointing
     )
     return max(256, int(fraction * max(0, free_bytes - pending_bytes) / per_token))
+
+
+@dataclass
+class MemoryProbe:
+    """What the first learner step held on the device, measured, to size the
+    ``micro_batch_tokens = -1`` budget after it (``Learner._settle_token_budget``).
+
+    The estimate of :func:`activation_bytes_per_token` leaves out what a forward and backward
+    hold besides the layers' activations (the LM head's float32 chunks, the attention mask
+    of packed rows, DeepSpeed's gradient buckets); at the 3B shape on an H200 a budget sized
+    from it ran out of memory where 8,192 tokens had fitted. The probe replaces the estimate
+    by what one step measured.
+
+    Attributes:
+        state_bytes: the most memory allocated before a training micro-batch's forward or
+            during an optimizer step (every weight, gradient and optimizer state, and the
+            optimizer step's temporaries), in bytes.
+        bytes_per_token: the largest ``(peak - start) / tokens`` of a model's largest
+            training micro-batch: its forward and backward's peak above what was allocated
+            before it, per token as the budget counts them, in bytes. The fixed part (the
+            LM head's chunks) is spread over that micro-batch's tokens, which only overstates
+            it for larger budgets.
+        optimizer_steps: optimizer steps measured.
+    """
+
+    state_bytes: int = 0
+    bytes_per_token: float = 0.0
+    optimizer_steps: int = 0
+    largest: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    """Per model: the tokens of its largest measured micro-batch and its bytes per token."""
+
+    def micro_batch(self, model: str, start: int, peak: int, tokens: int) -> None:
+        """One training micro-batch of ``model`` ("policy", "critic"): bytes allocated
+        before its forward (``start``), the peak until its backward ended, its tokens."""
+        self.state_bytes = max(self.state_bytes, start)
+        if tokens <= 0:
+            return
+        # more tokens wins; of two as large, the one that held more per token
+        self.largest[model] = max(
+            self.largest.get(model, (0, 0.0)), (tokens, max(0, peak - start) / tokens)
+        )
+        self.bytes_per_token = max(per_token for _, per_token in self.largest.values())
+
+    def optimizer_step(self, peak: int) -> None:
+        """One optimizer step's peak allocated bytes (every state and its temporaries)."""
+        self.optimizer_steps += 1
+        self.state_bytes = max(self.state_bytes, peak)
+
+
+def settled_token_budget(
+    available_bytes: int, bytes_per_token: float, fraction: float = 0.8
+) -> int:
+    """Micro-batch token budget from measured memory: ``fraction * available_bytes /
+    bytes_per_token``, at least 256 (and 256 when nothing was measured).
+
+    Args:
+        available_bytes: the device's memory less what is not torch's (the CUDA context)
+            and :attr:`MemoryProbe.state_bytes`.
+        bytes_per_token: :attr:`MemoryProbe.bytes_per_token`.
+        fraction: share of it for a micro-batch (the rest: allocator fragmentation, longer
+            rows' larger attention masks).
+
+    Raises:
+        ValueError: ``fraction`` outside (0, 1].
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    if bytes_per_token <= 0.0:
+        return 256
+    return max(256, int(fraction * max(0, available_bytes) / bytes_per_token))

@@ -416,7 +416,6 @@ class SupervisedMixin:
         if not applied:
             self.nonfinite_steps_total += 1
         self.policy_version += 1
-        self._settle_token_budget()
         step_s = time.perf_counter() - start
         return SupervisedStepMetrics(
             loss=total,

@@ -90,9 +90,11 @@ from learner import corrections, losses
 from learner.batch import (
     CPU_AUTO_TOKEN_BUDGET,
     OPTIMIZER_BYTES_PER_PARAMETER,
+    MemoryProbe,
     TrainingBatch,
     collate_trajectories,
     memory_token_budget,
+    settled_token_budget,
     token_budget_micro_batches,
 )
 from learner.checkpoint import CheckpointMixin
@@ -309,7 +311,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
         self.device = self.policy_engine.device
         self.auto_micro_batch_tokens = self._memory_token_budget()
         self.budget_settled = self.device.type != "cuda"
-        self.optimizer_peak_bytes = 0
+        self.memory_probe = MemoryProbe()
 
     # ------------------------------------------------------------------ control
 
@@ -407,10 +409,9 @@ class Learner(CheckpointMixin, SupervisedMixin):
 
         On CUDA it is sized twice. At start-up, from the memory free less the AdamW states
         still to come (:data:`learner.batch.OPTIMIZER_BYTES_PER_PARAMETER` per trainable
-        parameter), at most :data:`FIRST_STEP_TOKEN_BUDGET`; after the first learner or SFT
-        step (:meth:`_settle_token_budget`) from what is available once every state exists,
-        measured rather than estimated. :func:`learner.batch.memory_token_budget` turns
-        either into tokens."""
+        parameter) and the estimate of :func:`learner.batch.memory_token_budget`, at most
+        :data:`FIRST_STEP_TOKEN_BUDGET`; after the first RL learner step
+        (:meth:`_settle_token_budget`) from what that step measured."""
         if self.device.type != "cuda":
             return CPU_AUTO_TOKEN_BUDGET
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -438,29 +439,44 @@ class Learner(CheckpointMixin, SupervisedMixin):
         return min(budget, FIRST_STEP_TOKEN_BUDGET)
 
     def _settle_token_budget(self) -> None:
-        """After the first learner or SFT step on CUDA: the ``micro_batch_tokens = -1``
-        budget from the memory the optimizer steps leave, once. The peak allocated during
-        the first step's optimizer steps (every state and the step's temporaries, no
-        activations; ``torch.cuda.max_memory_allocated`` is reset for them) and what is
-        not torch's (the CUDA context) come off the device's total."""
+        """After the first RL learner step on CUDA: the ``micro_batch_tokens = -1`` budget
+        from what that step measured (:class:`learner.batch.MemoryProbe`), once. The memory
+        its states and optimizer steps held (``state_bytes``) and what is not torch's (the
+        CUDA context) come off the device's total; what is left, divided by the bytes a
+        training micro-batch held per token, gives :func:`learner.batch.settled_token_budget`.
+        SFT steps do not settle it: the critic's optimizer states do not exist yet then."""
         if self.budget_settled:
             return
         self.budget_settled = True
-        if self.optimizer_peak_bytes == 0:  # no bf16/ZeRO optimizer step was taken
-            return
+        probe = self.memory_probe
+        if probe.optimizer_steps == 0 or probe.bytes_per_token == 0.0:
+            return  # nothing measured (an fp32 ZeRO-0 step): the first-step budget stays
         free, total = torch.cuda.mem_get_info(self.device)
         not_torch = total - free - torch.cuda.memory_reserved(self.device)
-        available = total - not_torch - self.optimizer_peak_bytes
-        self.auto_micro_batch_tokens = memory_token_budget(
-            available,
-            self.policy_engine.module.config,
-            gradient_checkpointing=self.config.gradient_checkpointing,
-        )
+        available = total - not_torch - probe.state_bytes
+        self.auto_micro_batch_tokens = settled_token_budget(available, probe.bytes_per_token)
         logger.info(
-            "micro-batch token budget from %.1f GiB left by the optimizer steps: %d tokens",
+            "micro-batch token budget from the first step: %.1f GiB left by its states and "
+            "optimizer steps, %.0f KiB per token held by a micro-batch: %d tokens",
             available / 2**30,
+            probe.bytes_per_token / 2**10,
             self.auto_micro_batch_tokens,
         )
+
+    @contextlib.contextmanager
+    def _probed(self, model: str, micro: TrainingBatch) -> Iterator[None]:
+        """Measures a training micro-batch's forward and backward for the memory probe while
+        the token budget is not settled (on CUDA, the first RL step); else nothing."""
+        if self.budget_settled:
+            yield
+            return
+        mask = micro.attention_mask  # the budget counts real tokens packed, slots padded
+        tokens = int(mask.sum()) if self.config.pack_sequences else mask.numel()
+        start = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.memory_probe.micro_batch(model, start, peak, tokens)
 
     def _micro_chunks(self, batch: TrainingBatch, rows: list[int]) -> list[list[int]]:
         """``rows`` cut into micro-batches: by token budget (``micro_batch_tokens > 0``, or
@@ -826,12 +842,21 @@ class Learner(CheckpointMixin, SupervisedMixin):
             # DeepSpeed averages gradients over ranks; the global denominators make the
             # wanted gradient their sum. Padding micro-batches contribute nothing.
             weight = float(self.world_size) if real else 0.0
-            metrics = self._policy_backward(
-                micro, algorithm, denominator, on_policy and real, acc, kwargs, loss_scale, weight
-            )
+            with self._probed("policy", micro):
+                metrics = self._policy_backward(
+                    micro,
+                    algorithm,
+                    denominator,
+                    on_policy and real,
+                    acc,
+                    kwargs,
+                    loss_scale,
+                    weight,
+                )
             policy_finite &= math.isfinite(metrics["loss"])
             if uses_critic(algorithm):
-                value_metrics = self._critic_backward(micro, algorithm, denominator, weight)
+                with self._probed("critic", micro):
+                    value_metrics = self._critic_backward(micro, algorithm, denominator, weight)
                 critic_finite &= math.isfinite(value_metrics["loss"])
                 if real:
                     sums["value_loss"] += value_metrics["value_loss"]
@@ -1140,11 +1165,10 @@ class Learner(CheckpointMixin, SupervisedMixin):
             return True, norm
         if self.budget_settled:
             engine.step()
-        else:  # the first step's optimizer peak sizes the token budget (_settle_token_budget)
+        else:  # the first step's peaks size the token budget (_settle_token_budget)
             torch.cuda.reset_peak_memory_stats(self.device)
             engine.step()
-            peak = torch.cuda.max_memory_allocated(self.device)
-            self.optimizer_peak_bytes = max(self.optimizer_peak_bytes, peak)
+            self.memory_probe.optimizer_step(torch.cuda.max_memory_allocated(self.device))
         return bool(engine.was_step_applied()), _scalar(engine.get_global_grad_norm())
 
     @staticmethod

@@ -167,3 +167,29 @@ def test_memory_token_budget_by_hand():
     assert memory_token_budget(1000, cfg, gradient_checkpointing=False) == 256  # the floor
     with pytest.raises(ValueError, match="fraction"):
         memory_token_budget(1, cfg, gradient_checkpointing=False, fraction=0.0)
+
+
+def test_memory_probe_and_settled_budget_by_hand():
+    """The first step's measurements: the states' peak is the most held before a micro-batch
+    or during an optimizer step; bytes per token come from each model's largest micro-batch
+    (more per token breaks a tie), the larger of the two models'."""
+    from learner.batch import MemoryProbe, settled_token_budget
+
+    probe = MemoryProbe()
+    probe.micro_batch("policy", start=1000, peak=1000 + 400 * 10, tokens=400)  # 10 B/token
+    probe.micro_batch("policy", start=1200, peak=1200 + 100 * 50, tokens=100)  # smaller: no
+    assert (probe.state_bytes, probe.bytes_per_token) == (1200, 10.0)
+    probe.micro_batch("policy", start=900, peak=900 + 400 * 12, tokens=400)  # tie: 12 wins
+    probe.micro_batch("critic", start=1100, peak=1100 + 800 * 11, tokens=800)
+    assert probe.largest == {"policy": (400, 12.0), "critic": (800, 11.0)}
+    assert probe.bytes_per_token == 12.0 and probe.optimizer_steps == 0
+    probe.optimizer_step(5000)
+    probe.micro_batch("critic", start=4000, peak=3000, tokens=0)  # no tokens: states only
+    assert (probe.state_bytes, probe.optimizer_steps, probe.bytes_per_token) == (5000, 1, 12.0)
+    # 0.8 of what is left, per measured token, at least 256
+    assert settled_token_budget(12_000_000, 12.0) == 800_000
+    assert settled_token_budget(12_000_000, 12.0, fraction=0.5) == 500_000
+    assert settled_token_budget(1000, 12.0) == 256
+    assert settled_token_budget(-5, 12.0) == 256 and settled_token_budget(10**9, 0.0) == 256
+    with pytest.raises(ValueError, match="fraction"):
+        settled_token_budget(1, 1.0, fraction=1.5)
