@@ -495,10 +495,11 @@ class LearnerConfig(StrictModel):
     same (global denominators), up to float summation order. 0: ``micro_batch_size`` rows
     per forward, in the mini-batch's shuffled order. With ``pack_sequences`` the budget
     counts real tokens (what a packed forward computes, up to its rows' tails). -1: a
-    budget sized from the GPU memory (0.6 of it over an estimate of the activation bytes
-    per token, :func:`learner.batch.memory_token_budget`): for the first step from the
-    memory free at start-up less the AdamW states to come (at most 8,192 tokens), then from
-    the memory available after the first step; CPU: 4,096."""
+    budget sized from the GPU memory: until the first RL step ends, 0.6 of the memory free
+    at start-up less the AdamW states to come over an estimate of the activation bytes per
+    token (:func:`learner.batch.memory_token_budget`), at most 8,192 tokens; then 0.8 of
+    the memory that step's states and optimizer steps left over the bytes per token its
+    micro-batches held (:class:`learner.batch.MemoryProbe`); CPU: 4,096."""
 
     pack_sequences: bool = False
     """Run every forward of the policy, critic and reference on the micro-batch's

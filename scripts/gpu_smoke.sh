@@ -334,9 +334,12 @@ if procs_file.exists():  # peak GPU memory per process title (engine actor, lear
     for line in procs_file.read_text().splitlines():
         fields = line.split(maxsplit=2)
         if len(fields) >= 2 and fields[1].isdigit():
-            title = fields[2].split()[0] if len(fields) == 3 and fields[2].strip() else f"pid {fields[0]}"
+            words = fields[2].split() if len(fields) == 3 else []
+            title = words[0] if words else f"pid {fields[0]}"
             if title.startswith("ray::"):  # ray::LearnerActor.step -> ray::LearnerActor
                 title = title.split(".")[0]
+            elif Path(title).name.startswith("python") and "-m" in words[1:2] and len(words) > 2:
+                title = f"python -m {words[2]}"  # python3 -m retrieval_server, -m services.cli
             peaks[title] = max(peaks.get(title, 0), int(fields[1]))
     figures["peak_gpu_memory_by_process_gib"] = {t: m / 1024 for t, m in peaks.items()}
     for title, mib in sorted(peaks.items(), key=lambda kv: -kv[1]):
