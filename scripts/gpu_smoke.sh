@@ -113,7 +113,8 @@ fi
 # one interpreter for the three checks (importing torch + DeepSpeed is the slow part)
 MODEL=${STPPO_DATA_DIR:-data}/model/smollm2-135m-instruct
 log "imports, model folder $MODEL, CUDA"
-"$PY" - "$MODEL" "$DETAILS/cuda.txt" $IMPORTS <<'EOF'
+# (bm25s runs a JAX top-k at import: JAX stays on the CPU, as in retrieval_server.retrievers)
+JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} "$PY" - "$MODEL" "$DETAILS/cuda.txt" $IMPORTS <<'EOF'
 import importlib
 import sys
 from pathlib import Path
