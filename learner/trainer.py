@@ -411,7 +411,9 @@ class Learner(CheckpointMixin, SupervisedMixin):
         still to come (:data:`learner.batch.OPTIMIZER_BYTES_PER_PARAMETER` per trainable
         parameter) and the estimate of :func:`learner.batch.memory_token_budget`, at most
         :data:`FIRST_STEP_TOKEN_BUDGET`; after the first RL learner step
-        (:meth:`_settle_token_budget`) from what that step measured."""
+        (:meth:`_settle_token_budget`) from what that step measured. Ranks take the
+        smallest of their budgets: each one cuts every rank's micro-batches
+        (:meth:`_micro_plan`), and their counts must agree."""
         if self.device.type != "cuda":
             return CPU_AUTO_TOKEN_BUDGET
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -436,7 +438,12 @@ class Learner(CheckpointMixin, SupervisedMixin):
             budget,
             FIRST_STEP_TOKEN_BUDGET,
         )
-        return min(budget, FIRST_STEP_TOKEN_BUDGET)
+        return self._smallest_over_ranks(min(budget, FIRST_STEP_TOKEN_BUDGET))
+
+    def _smallest_over_ranks(self, budget: int) -> int:
+        """The smallest of every rank's ``budget`` (a collective; itself on one rank)."""
+        (largest_negated,) = all_reduce_floats([-float(budget)], self.world_size, "max")
+        return int(-largest_negated)
 
     def _settle_token_budget(self) -> None:
         """After the first RL learner step on CUDA: the ``micro_batch_tokens = -1`` budget
@@ -444,17 +451,20 @@ class Learner(CheckpointMixin, SupervisedMixin):
         its states and optimizer steps held (``state_bytes``) and what is not torch's (the
         CUDA context) come off the device's total; what is left, divided by the bytes a
         training micro-batch held per token, gives :func:`learner.batch.settled_token_budget`.
-        SFT steps do not settle it: the critic's optimizer states do not exist yet then."""
+        SFT steps do not settle it: the critic's optimizer states do not exist yet then.
+        Every rank settles at the same step and all take the smallest budget."""
         if self.budget_settled:
             return
         self.budget_settled = True
         probe = self.memory_probe
-        if probe.optimizer_steps == 0 or probe.bytes_per_token == 0.0:
-            return  # nothing measured (an fp32 ZeRO-0 step): the first-step budget stays
-        free, total = torch.cuda.mem_get_info(self.device)
-        not_torch = total - free - torch.cuda.memory_reserved(self.device)
-        available = total - not_torch - probe.state_bytes
-        self.auto_micro_batch_tokens = settled_token_budget(available, probe.bytes_per_token)
+        available = 0
+        budget = self.auto_micro_batch_tokens  # nothing measured (fp32 ZeRO-0): it stays
+        if probe.optimizer_steps > 0 and probe.bytes_per_token > 0.0:
+            free, total = torch.cuda.mem_get_info(self.device)
+            not_torch = total - free - torch.cuda.memory_reserved(self.device)
+            available = total - not_torch - probe.state_bytes
+            budget = settled_token_budget(available, probe.bytes_per_token)
+        self.auto_micro_batch_tokens = self._smallest_over_ranks(budget)
         logger.info(
             "micro-batch token budget from the first step: %.1f GiB left by its states and "
             "optimizer steps, %.0f KiB per token held by a micro-batch: %d tokens",
