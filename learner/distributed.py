@@ -103,6 +103,7 @@ def init_rank_distributed(
     timeout_s: float = 600.0,
     join_timeout_s: float = 60.0,
     local_ip: str | None = None,
+    store: Any = None,
 ) -> DistributedInfo:
     """Join rank ``rank`` of a ``world_size``-process group at ``master_addr:master_port``.
 
@@ -125,6 +126,9 @@ def init_rank_distributed(
         join_timeout_s: how long forming the group may take (seconds).
         local_ip: the address this rank listens on (None:
             :func:`actors.rendezvous.node_ip`, Ray's node IP in a Ray actor).
+        store: rank 0 only: its ``TCPStore``, already listening on ``master_port``
+            (:func:`actors.rendezvous.bind_master_store`), so that no other process can take
+            the port between picking and binding it; None: bound (rank 0) or reached here.
 
     Raises:
         ValueError: bad rank / world size / backend, or a group already initialised with
@@ -158,7 +162,9 @@ def init_rank_distributed(
             }
         )
         os.environ.pop(_SELF_INIT_ENV, None)
-        _form_group(rank, world_size, master_addr, master_port, backend, local_ip, join_timeout_s)
+        _form_group(
+            rank, world_size, master_addr, master_port, backend, local_ip, join_timeout_s, store
+        )
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
         deepspeed.init_distributed(
             dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s)
@@ -179,6 +185,7 @@ def _form_group(
     backend: str,
     local_ip: str,
     join_timeout_s: float,
+    store: Any = None,
 ) -> None:
     """``init_process_group`` on rank 0's store, bounded by ``join_timeout_s``, with every
     rank's address registered so a failure names who did not join."""
@@ -186,7 +193,7 @@ def _form_group(
 
     what = f"the learner group ({world_size} ranks, rendezvous {master_addr}:{master_port})"
     try:
-        store = connect_store(master_addr, master_port, rank, join_timeout_s)
+        store = connect_store(master_addr, master_port, rank, join_timeout_s, store)
     except Exception as e:  # rank 0's store never answered
         raise GroupJoinError(
             what, world_size, join_timeout_s, {}, {0: f"rank 0 ({master_addr}:{master_port})"},

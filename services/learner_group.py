@@ -55,13 +55,17 @@ class LearnerRank:
         self.rank = rank
         self.world_size = world_size
         self.learner: Any = None
+        self.store: Any = None
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """(node IP, free TCP port) where rank 0 will host the ``torch.distributed`` store."""
-        from learner.distributed import find_free_port
+        """(node IP, port) of the ``torch.distributed`` store this rank (rank 0) hosts, bound
+        now on a port the OS picks and kept for :meth:`join`: a port found free and bound
+        only later could be taken in between (one arena run in 93 lost its learner group so,
+        two runs side by side)."""
+        from actors.rendezvous import bind_master_store
 
-        ip = ray.util.get_node_ip_address()
-        return ip, find_free_port("0.0.0.0")
+        self.store = bind_master_store()
+        return ray.util.get_node_ip_address(), int(self.store.port)
 
     def node_address(self) -> str:
         """The address this rank listens on (its node's IP as Ray knows it)."""
@@ -111,7 +115,7 @@ class LearnerRank:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         init_rank_distributed(
             self.rank, self.world_size, master_addr, master_port, backend, timeout_s,
-            join_timeout_s,
+            join_timeout_s, store=self.store,
         )  # fmt: skip
         return backend
 

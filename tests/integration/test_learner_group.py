@@ -147,3 +147,18 @@ def test_learner_threads_sets_the_ranks_torch_threads(ray_cluster, tiny_llama_di
         found[threads] = ray.get(probe.threads.remote(), timeout=120)
         ray.kill(probe)
     assert found == {0: 1, 2: 2}
+
+
+def test_rank0_holds_its_store_port_from_address_to_join():
+    """Rank 0 binds the group's store when it gives out the address and keeps it for the
+    join: a port only found free then could be taken before the join (it was, once, in an
+    arena run beside another). No other socket can bind it meanwhile."""
+    import socket
+
+    from services.learner_group import LearnerRank
+
+    rank = LearnerRank(0, 1)
+    _, port = rank.rendezvous_address()
+    assert rank.store is not None and rank.store.port == port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other, pytest.raises(OSError):
+        other.bind(("0.0.0.0", port))
