@@ -60,8 +60,7 @@ class LearnerRank:
     def rendezvous_address(self) -> tuple[str, int]:
         """(node IP, port) of the ``torch.distributed`` store this rank (rank 0) hosts, bound
         now on a port the OS picks and kept for :meth:`join`: a port found free and bound
-        only later could be taken in between (one arena run in 93 lost its learner group so,
-        two runs side by side)."""
+        only later could be taken in between by another process."""
         from actors.rendezvous import bind_master_store
 
         self.store = bind_master_store()

@@ -151,8 +151,8 @@ def test_learner_threads_sets_the_ranks_torch_threads(ray_cluster, tiny_llama_di
 
 def test_rank0_holds_its_store_port_from_address_to_join():
     """Rank 0 binds the group's store when it gives out the address and keeps it for the
-    join: a port only found free then could be taken before the join (it was, once, in an
-    arena run beside another). No other socket can bind it meanwhile."""
+    join: a port only found free then could be taken before the join. No other socket can
+    bind it meanwhile."""
     import socket
 
     from services.learner_group import LearnerRank
