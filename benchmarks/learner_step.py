@@ -645,7 +645,10 @@ def main() -> None:
             "per_trajectory": [len(t.prompt_ids) + t.num_response_tokens for t in trajectories],
         },
         "threads": torch.get_num_threads(),
-        "memory_probe": dataclasses.asdict(learner.memory_probe),
+        "memory_probe": {
+            **dataclasses.asdict(learner.memory_probe),
+            "bytes_per_token": learner.memory_probe.bytes_per_token,
+        },
         "matmul": {
             "shape": [4096, model_config.hidden_size, model_config.intermediate_size],
             "tflops_per_round": [r / 1e12 for r in rates],

@@ -396,10 +396,9 @@ def inprocess_retriever_qps(
 def rank_bm25_baseline(contents: list[str], queries: list[str], num_queries: int) -> dict:
     """``rank_bm25.BM25Okapi`` over the same stemmed tokens; build time and queries/s."""
     import Stemmer
-
-    bm25s = import_bm25s()
     from rank_bm25 import BM25Okapi
 
+    bm25s = import_bm25s()
     stemmer = Stemmer.Stemmer("english")
     start = time.perf_counter()
     corpus_tokens = bm25s.tokenize(

@@ -382,16 +382,10 @@ class MemoryProbe:
         state_bytes: the most memory allocated before a training micro-batch's forward or
             during an optimizer step (every weight, gradient and optimizer state, and the
             optimizer step's temporaries), in bytes.
-        bytes_per_token: the largest ``(peak - start) / tokens`` of a model's largest
-            training micro-batch: its forward and backward's peak above what was allocated
-            before it, per token as the budget counts them, in bytes. The fixed part (the
-            LM head's chunks) is spread over that micro-batch's tokens, which only overstates
-            it for larger budgets.
         optimizer_steps: optimizer steps measured.
     """
 
     state_bytes: int = 0
-    bytes_per_token: float = 0.0
     optimizer_steps: int = 0
     largest: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
     """Per model: the tokens of its largest measured micro-batch and its bytes per token."""
@@ -406,7 +400,15 @@ class MemoryProbe:
         self.largest[model] = max(
             self.largest.get(model, (0, 0.0)), (tokens, max(0, peak - start) / tokens)
         )
-        self.bytes_per_token = max(per_token for _, per_token in self.largest.values())
+
+    @property
+    def bytes_per_token(self) -> float:
+        """The largest ``(peak - start) / tokens`` of a model's largest training
+        micro-batch: its forward and backward's peak above what was allocated before it, per
+        token as the budget counts them, in bytes (0.0 before any). The fixed part (the LM
+        head's chunks) is spread over that micro-batch's tokens, which only overstates it for
+        larger budgets."""
+        return max((per_token for _, per_token in self.largest.values()), default=0.0)
 
     def optimizer_step(self, peak: int) -> None:
         """One optimizer step's peak allocated bytes (every state and its temporaries)."""

@@ -457,21 +457,23 @@ class Learner(CheckpointMixin, SupervisedMixin):
             return
         self.budget_settled = True
         probe = self.memory_probe
-        available = 0
+        measured = probe.optimizer_steps > 0 and probe.bytes_per_token > 0.0
         budget = self.auto_micro_batch_tokens  # nothing measured (fp32 ZeRO-0): it stays
-        if probe.optimizer_steps > 0 and probe.bytes_per_token > 0.0:
+        if measured:
             free, total = torch.cuda.mem_get_info(self.device)
             not_torch = total - free - torch.cuda.memory_reserved(self.device)
             available = total - not_torch - probe.state_bytes
             budget = settled_token_budget(available, probe.bytes_per_token)
         self.auto_micro_batch_tokens = self._smallest_over_ranks(budget)
-        logger.info(
-            "micro-batch token budget from the first step: %.1f GiB left by its states and "
-            "optimizer steps, %.0f KiB per token held by a micro-batch: %d tokens",
-            available / 2**30,
-            probe.bytes_per_token / 2**10,
-            self.auto_micro_batch_tokens,
-        )
+        if measured:
+            logger.info(
+                "micro-batch token budget from the first step: %.1f GiB left by its states "
+                "and optimizer steps, %.0f KiB per token held by a micro-batch: %d tokens "
+                "(the smallest over ranks)",
+                available / 2**30,
+                probe.bytes_per_token / 2**10,
+                self.auto_micro_batch_tokens,
+            )
 
     @contextlib.contextmanager
     def _probed(self, model: str, micro: TrainingBatch) -> Iterator[None]:
