@@ -378,6 +378,13 @@ class MemoryProbe:
     from it ran out of memory where 8,192 tokens had fitted. The probe replaces the estimate
     by what one step measured.
 
+    The first micro-batch of a mini-batch also allocates the gradients its backward
+    produces (a model's size in its gradient dtype: 3.4 GB at 1.7B in bf16), which spread
+    over its tokens read as activation bytes; from the second on the gradients are held
+    before the forward (``start``) and the peak above it is the micro-batch's own. So a
+    model's bytes per token come from its accumulating micro-batches when it had any, and
+    the gradients count once, in ``state_bytes``.
+
     Attributes:
         state_bytes: the most memory allocated before a training micro-batch's forward or
             during an optimizer step (every weight, gradient and optimizer state, and the
@@ -389,26 +396,33 @@ class MemoryProbe:
     optimizer_steps: int = 0
     largest: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
     """Per model: the tokens of its largest measured micro-batch and its bytes per token."""
+    largest_accumulating: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    """The same over micro-batches that accumulated into gradients already held."""
 
-    def micro_batch(self, model: str, start: int, peak: int, tokens: int) -> None:
+    def micro_batch(
+        self, model: str, start: int, peak: int, tokens: int, accumulating: bool = False
+    ) -> None:
         """One training micro-batch of ``model`` ("policy", "critic"): bytes allocated
-        before its forward (``start``), the peak until its backward ended, its tokens."""
+        before its forward (``start``), the peak until its backward ended, its tokens, and
+        whether an earlier backward of its mini-batch already held the gradients."""
         self.state_bytes = max(self.state_bytes, start)
         if tokens <= 0:
             return
         # more tokens wins; of two as large, the one that held more per token
-        self.largest[model] = max(
-            self.largest.get(model, (0, 0.0)), (tokens, max(0, peak - start) / tokens)
-        )
+        measured = (tokens, max(0, peak - start) / tokens)
+        kept = (self.largest, self.largest_accumulating) if accumulating else (self.largest,)
+        for largest in kept:
+            largest[model] = max(largest.get(model, (0, 0.0)), measured)
 
     @property
     def bytes_per_token(self) -> float:
         """The largest ``(peak - start) / tokens`` of a model's largest training
-        micro-batch: its forward and backward's peak above what was allocated before it, per
-        token as the budget counts them, in bytes (0.0 before any). The fixed part (the LM
-        head's chunks) is spread over that micro-batch's tokens, which only overstates it for
-        larger budgets."""
-        return max((per_token for _, per_token in self.largest.values()), default=0.0)
+        micro-batch (its largest accumulating one where it had any): its forward and
+        backward's peak above what was allocated before it, per token as the budget counts
+        them, in bytes (0.0 before any). The fixed part (the LM head's chunks) is spread over
+        that micro-batch's tokens, which only overstates it for larger budgets."""
+        per_model = {**self.largest, **self.largest_accumulating}
+        return max((per_token for _, per_token in per_model.values()), default=0.0)
 
     def optimizer_step(self, peak: int) -> None:
         """One optimizer step's peak allocated bytes (every state and its temporaries)."""

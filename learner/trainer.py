@@ -476,9 +476,11 @@ class Learner(CheckpointMixin, SupervisedMixin):
             )
 
     @contextlib.contextmanager
-    def _probed(self, model: str, micro: TrainingBatch) -> Iterator[None]:
+    def _probed(self, model: str, micro: TrainingBatch, accumulating: bool) -> Iterator[None]:
         """Measures a training micro-batch's forward and backward for the memory probe while
-        the token budget is not settled (on CUDA, the first RL step); else nothing."""
+        the token budget is not settled (on CUDA, the first RL step); else nothing.
+        ``accumulating``: not the first micro-batch of its mini-batch (the model's gradients
+        are held before its forward)."""
         if self.budget_settled:
             yield
             return
@@ -488,7 +490,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
         torch.cuda.reset_peak_memory_stats(self.device)
         yield
         peak = torch.cuda.max_memory_allocated(self.device)
-        self.memory_probe.micro_batch(model, start, peak, tokens)
+        self.memory_probe.micro_batch(model, start, peak, tokens, accumulating)
 
     def _micro_chunks(self, batch: TrainingBatch, rows: list[int]) -> list[list[int]]:
         """``rows`` cut into micro-batches: by token budget (``micro_batch_tokens > 0``, or
@@ -849,12 +851,12 @@ class Learner(CheckpointMixin, SupervisedMixin):
             loss_scale = self._bias_scale(norm, any_clipped, algorithm)
         sums: dict[str, float] = defaultdict(float)
         policy_finite, critic_finite = True, True
-        for rows, real in plan:
+        for index, (rows, real) in enumerate(plan):
             micro = mini.select(rows).to(self.device)
             # DeepSpeed averages gradients over ranks; the global denominators make the
             # wanted gradient their sum. Padding micro-batches contribute nothing.
             weight = float(self.world_size) if real else 0.0
-            with self._probed("policy", micro):
+            with self._probed("policy", micro, accumulating=index > 0):
                 metrics = self._policy_backward(
                     micro,
                     algorithm,
@@ -867,7 +869,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
                 )
             policy_finite &= math.isfinite(metrics["loss"])
             if uses_critic(algorithm):
-                with self._probed("critic", micro):
+                with self._probed("critic", micro, accumulating=index > 0):
                     value_metrics = self._critic_backward(micro, algorithm, denominator, weight)
                 critic_finite &= math.isfinite(value_metrics["loss"])
                 if real:

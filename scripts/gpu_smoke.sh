@@ -177,10 +177,12 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o junit_family=xunit1)  # xunit1
 if [[ "$MODE" == scale ]]; then
   run tests_gpu "${PYTEST[@]}" --junitxml="$DETAILS/tests_gpu.xml" -k "packed or budget" \
     tests/gpu/test_learner_cuda.py
-  # the issue-46 batch: 64 trajectories spread like the main job's, 4 optimizer steps
+  # the issue-46 batch: 64 trajectories spread like the main job's, 4 optimizer steps;
+  # --profile: one more packed st_ppo step, its CUDA kernel time by category
   run scale_1.7b "$PY" benchmarks/learner_step.py --shape 1.7b --model "$MODEL" \
     --dtype bf16 --zero-stage 2 --repeats 2 --batch 64 --mini 16 --micro 4 \
     --micro-tokens -1 --variants st_ppo,so_grpo --paths chunked,packed@4096,packed --no-sft \
+    --profile \
     --out "$DETAILS/scale_1.7b.json"
   if ((WITH_3B)); then
     run scale_3b "$PY" benchmarks/learner_step.py --shape 3b --model "$MODEL" \

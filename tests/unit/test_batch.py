@@ -172,7 +172,8 @@ def test_memory_token_budget_by_hand():
 def test_memory_probe_and_settled_budget_by_hand():
     """The first step's measurements: the states' peak is the most held before a micro-batch
     or during an optimizer step; bytes per token come from each model's largest micro-batch
-    (more per token breaks a tie), the larger of the two models'."""
+    (more per token breaks a tie), its largest accumulating one where it had any, the larger
+    of the two models'."""
     from learner.batch import MemoryProbe, settled_token_budget
 
     probe = MemoryProbe()
@@ -186,6 +187,14 @@ def test_memory_probe_and_settled_budget_by_hand():
     probe.optimizer_step(5000)
     probe.micro_batch("critic", start=4000, peak=3000, tokens=0)  # no tokens: states only
     assert (probe.state_bytes, probe.optimizer_steps, probe.bytes_per_token) == (5000, 1, 12.0)
+    # a micro-batch accumulating into held gradients measures the policy's own bytes per
+    # token, even from fewer tokens: the first's peak also held the gradients it allocated
+    probe.micro_batch("policy", start=1300, peak=1300 + 300 * 7, tokens=300, accumulating=True)
+    assert probe.largest_accumulating == {"policy": (300, 7.0)}
+    assert probe.largest["policy"] == (400, 12.0)  # every micro-batch's, for the report
+    assert probe.bytes_per_token == 11.0  # the critic's first micro-batch, none accumulating
+    probe.micro_batch("critic", start=1300, peak=1300 + 200 * 6, tokens=200, accumulating=True)
+    assert probe.bytes_per_token == 7.0
     # 0.8 of what is left, per measured token, at least 256
     assert settled_token_budget(12_000_000, 12.0) == 800_000
     assert settled_token_budget(12_000_000, 12.0, fraction=0.5) == 500_000
@@ -193,3 +202,38 @@ def test_memory_probe_and_settled_budget_by_hand():
     assert settled_token_budget(-5, 12.0) == 256 and settled_token_budget(10**9, 0.0) == 256
     with pytest.raises(ValueError, match="fraction"):
         settled_token_budget(1, 1.0, fraction=1.5)
+
+
+def test_learner_tells_the_probe_which_micro_batches_accumulate(tiny_llama_dir, monkeypatch):
+    """The learner step's side of the probe (measured on CUDA; here the CUDA memory counters
+    are stand-ins): every training micro-batch is measured, the first of each mini-batch as
+    allocating the gradients and the rest as accumulating into them, and the budget settles
+    after the step from what was recorded."""
+    from learner_factories import make_batch, make_tiny_learner
+
+    from learner.config import PPOConfig
+
+    learner = make_tiny_learner(tiny_llama_dir, PPOConfig(), zero_stage=2)  # 2 micro per mini
+    learner.budget_settled = False  # as on CUDA before the first RL step
+    allocated = iter(range(1000, 10**9, 1000))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 10**9)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 10**9)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**10, 2 * 10**10))
+    seen = []
+    record = learner.memory_probe.micro_batch
+    monkeypatch.setattr(
+        learner.memory_probe,
+        "micro_batch",
+        lambda model, start, peak, tokens, accumulating: (
+            seen.append((model, accumulating)),
+            record(model, start, peak, tokens, accumulating),
+        ),
+    )
+    learner.step(make_batch(0))
+    assert seen == [("policy", False), ("critic", False), ("policy", True), ("critic", True)]
+    probe = learner.memory_probe
+    assert set(probe.largest_accumulating) == {"policy", "critic"}
+    assert probe.optimizer_steps == 2 and learner.budget_settled
+    assert learner.auto_micro_batch_tokens >= 256
