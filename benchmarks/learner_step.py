@@ -65,9 +65,11 @@ step (``/proc/self/clear_refs`` after ``malloc_trim``), in GiB; on a GPU also th
 peak of allocated GPU memory (``torch.cuda.max_memory_allocated`` after a reset).
 
 ``--profile``: after the measured rounds, one more step of the first variant on the last
-path under ``torch.profiler``; its self time (CPU, and CUDA kernels on a GPU) is grouped by
-operator into matmul, attention, softmax / log-sum-exp, dtype copies, elementwise,
-optimizer and the rest (:func:`op_category`), printed and written under ``"profile"``.
+path under ``torch.profiler``; its self time (CPU; on a GPU the CUDA kernels' time, each
+kernel counted once, under the operator that launched it) is grouped by operator into
+matmul, attention, softmax / log-sum-exp, dtype copies, elementwise, optimizer and the
+rest (:func:`op_category`, :func:`summarize_profile`), printed with the step's wall
+seconds (the GPU's idle time is the difference) and written under ``"profile"``.
 
 Run (shared machine: take the heavy lock)::
 
@@ -322,33 +324,83 @@ def op_category(name: str) -> str:
 
 
 def profile_step(run_step, on_gpu: bool, top: int = 15) -> dict:
-    """Run ``run_step()`` once under ``torch.profiler``; self time by category and the top ops.
-
-    Returns ``{"time_s", "clock", "by_category": {category: share}, "top": [[op, seconds]]}``
-    over self CPU time (self CUDA time on a GPU, where the kernels are what takes time;
-    ``clock`` names which).
-    """
+    """Run ``run_step()`` once under ``torch.profiler``; :func:`summarize_profile` of it,
+    with the step's wall seconds (``wall_s``, profiler overhead included)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         run_step()
         _sync()
-    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    events = [(e.key, getattr(e, key, 0.0) / 1e6) for e in prof.key_averages()]
-    events = [(name, t) for name, t in events if t > 0 and not name.startswith("ProfilerStep")]
-    total = sum(t for _, t in events) or 1.0
+        wall_s = time.perf_counter() - start
+    return {**summarize_profile(prof.key_averages(), on_gpu, top), "wall_s": wall_s}
+
+
+def summarize_profile(events, on_gpu: bool, top: int = 15) -> dict:
+    """Self time of a profiled step by :func:`op_category`, and its top operators.
+
+    On the CPU: every operator's self CPU time. On a GPU, where kernels are what takes time,
+    the profiler lists each kernel twice: as a device event, and inside the self device time
+    of the operator that launched it (``FunctionEventAvg.self_device_time_total``). Summing
+    both counted every kernel twice (and the kernel rows, named after CUDA kernels, all as
+    "other"), so the busy time is the device events' (user annotations' device spans left
+    out), the categories are the operators', and kernel time no operator launched is
+    "not under an operator". On the CPU a user annotation's self time is its own (Python)
+    work and counts; the ProfilerStep marker never does.
+
+    Args:
+        events: ``prof.key_averages()``: items with ``key``, ``device_type``,
+            ``self_cpu_time_total``, ``self_device_time_total`` (microseconds) and
+            ``is_user_annotation``.
+        on_gpu: whether device time is what is summarised.
+        top: how many operators (and, on a GPU, kernels) to list.
+
+    Returns:
+        ``{"time_s", "clock", "by_category": {category: share of time_s}, "top": [[op,
+        seconds]]}``, and on a GPU ``"top_kernels"``. ``time_s``: the summed self time (on a
+        GPU, the kernels' busy time; against ``wall_s`` it shows how long the GPU idled).
+    """
+    from torch.autograd import DeviceType
+
+    def annotation(event) -> bool:
+        return bool(getattr(event, "is_user_annotation", False))
+
+    on_cpu = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CPU and not e.key.startswith("ProfilerStep")
+    ]
+    clock = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    ops = [(e.key, getattr(e, clock) / 1e6) for e in on_cpu]
+    ops = [(name, t) for name, t in ops if t > 0]
+    total = sum(t for _, t in ops)
+    kernels: list[tuple[str, float]] = []
+    if on_gpu:
+        kernels = [
+            (e.key, e.self_device_time_total / 1e6)
+            for e in events
+            if e.device_type != DeviceType.CPU and not annotation(e)
+        ]
+        busy = sum(t for _, t in kernels)
+        if busy > total:
+            ops.append(("(kernels not under an operator)", busy - total))
+        total = max(busy, total)
     by_category: dict[str, float] = {}
-    for name, t in events:
+    for name, t in ops:
         category = op_category(name)
-        by_category[category] = by_category.get(category, 0.0) + t / total
-    events.sort(key=lambda e: -e[1])
-    return {
+        by_category[category] = by_category.get(category, 0.0) + t / (total or 1.0)
+    ops.sort(key=lambda e: -e[1])
+    summary = {
         "time_s": total,
         "clock": "self CUDA" if on_gpu else "self CPU",
         "by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
-        "top": [[name, t] for name, t in events[:top]],
+        "top": [[name, t] for name, t in ops[:top]],
     }
+    if on_gpu:
+        kernels.sort(key=lambda e: -e[1])
+        summary["top_kernels"] = [[name, t] for name, t in kernels[:top]]
+    return summary
 
 
 def _turn_shapes(args: argparse.Namespace, rng: np.random.Generator) -> list[tuple[list, list]]:
@@ -595,12 +647,15 @@ def main() -> None:
         name, path = names[0], paths[-1]
         profile = {"step": name, "path": path, **profile_step(lambda: run(name, path), on_gpu)}
         print(
-            f"profile of {name} [{path}] ({profile['clock']} time {profile['time_s']:.2f} s): "
+            f"profile of {name} [{path}] ({profile['clock']} time {profile['time_s']:.2f} s "
+            f"of {profile['wall_s']:.2f} s wall): "
             + ", ".join(f"{c} {share:.2f}" for c, share in profile["by_category"].items()),
             flush=True,
         )
         for op, t in profile["top"]:
             print(f"    {t:8.3f} s  {op}  [{op_category(op)}]")
+        for kernel, t in profile.get("top_kernels", []):
+            print(f"    {t:8.3f} s  kernel {kernel[:100]}")
     rate = max(rates)
     peak_rate = max(peak_rates) if peak_rates else None
     rows = []

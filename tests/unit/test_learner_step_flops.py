@@ -108,3 +108,46 @@ def test_named_shapes_are_the_published_configs():
         if shape:
             assert shape["hidden_size"] % shape["num_attention_heads"] == 0
             assert shape["num_attention_heads"] % shape["num_key_value_heads"] == 0
+
+
+def _event(key, device_type, cpu_us=0.0, device_us=0.0, annotation=False):
+    return SimpleNamespace(
+        key=key,
+        device_type=device_type,
+        self_cpu_time_total=cpu_us,
+        self_device_time_total=device_us,
+        is_user_annotation=annotation,
+    )
+
+
+def test_profile_summary_counts_each_kernel_once():
+    """On a GPU the profiler lists a kernel as a device event and in the self device time of
+    the operator that launched it: the summary counts it once, under that operator's
+    category; kernel time no operator launched is kept, as "other"; user annotations' device
+    spans and the ProfilerStep marker are left out."""
+    from torch.autograd import DeviceType
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    events = [
+        _event("aten::mm", cpu, cpu_us=50, device_us=600),
+        _event("sm90_xmma_gemm_bf16bf16_bf16f32", cuda, device_us=600),
+        _event("aten::_fused_adamw_", cpu, cpu_us=20, device_us=300),
+        _event("multi_tensor_apply_kernel", cuda, device_us=300),
+        _event("Optimizer.step#AdamW.step", cpu, cpu_us=30, annotation=True),
+        _event("Optimizer.step#AdamW.step", cuda, device_us=300, annotation=True),
+        _event("ProfilerStep#0", cpu, cpu_us=200, device_us=0),
+        _event("ncclDevKernel_AllReduce", cuda, device_us=100),
+    ]
+    gpu = _bench.summarize_profile(events, on_gpu=True)
+    assert gpu["time_s"] == pytest.approx(1000e-6)
+    assert gpu["by_category"] == pytest.approx({"matmul": 0.6, "optimizer": 0.3, "other": 0.1})
+    assert [op for op, _ in gpu["top"]] == [
+        "aten::mm",
+        "aten::_fused_adamw_",
+        "(kernels not under an operator)",
+    ]
+    assert gpu["top_kernels"][0] == ["sm90_xmma_gemm_bf16bf16_bf16f32", pytest.approx(600e-6)]
+    cpu_summary = _bench.summarize_profile(events, on_gpu=False)  # self CPU time of operators
+    assert cpu_summary["time_s"] == pytest.approx(100e-6)  # the annotation's own 30 us too
+    assert cpu_summary["by_category"] == pytest.approx({"matmul": 0.5, "optimizer": 0.5})
+    assert "top_kernels" not in cpu_summary
