@@ -20,7 +20,9 @@ Code paths (``--paths``), switched on the same learner in the same process:
 
 ``--micro-tokens`` sets the budget of ``new`` and ``packed``; -1 sizes it from the memory
 free after the models are loaded (``micro_batch_tokens = -1``,
-:func:`learner.batch.memory_token_budget`).
+:func:`learner.batch.memory_token_budget`), settled after the first step from what it
+measured; ``--gpu-memory-fraction`` keeps it within a share of the GPU (to compare steps at
+a memory ceiling: 0.48 of an H200 is the 66.7 GiB issue 46 started from).
 
 Model shapes (``--shape``, random weights with the project's tokenizer; implies
 ``--random-init``): ``135m`` is SmolLM2-135M's own config, ``360m`` and ``1.7b``
@@ -512,6 +514,12 @@ def main() -> None:
         help="the new and packed paths' micro-batch token budget (new: padded slots; "
         "packed: real tokens; -1: sized from free memory)",
     )
+    parser.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=1.0,
+        help="learner.gpu_memory_fraction: the share of the GPU a -1 budget plans for",
+    )
     parser.add_argument("--shape", default=None, choices=list(SHAPES), help="model shape")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--no-sft", action="store_true", help="skip the SFT step")
@@ -557,6 +565,7 @@ def main() -> None:
         actor_lr=1e-6,
         critic_lr=1e-5,
         gradient_checkpointing=args.gradient_checkpointing,
+        gpu_memory_fraction=args.gpu_memory_fraction,
     )
     rss_start = _rss_gib()
     t0 = time.perf_counter()

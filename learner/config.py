@@ -499,7 +499,16 @@ class LearnerConfig(StrictModel):
     at start-up less the AdamW states to come over an estimate of the activation bytes per
     token (:func:`learner.batch.memory_token_budget`), at most 8,192 tokens; then 0.8 of
     the memory that step's states and optimizer steps left over the bytes per token its
-    micro-batches held (:class:`learner.batch.MemoryProbe`); CPU: 4,096."""
+    micro-batches held (:class:`learner.batch.MemoryProbe`); CPU: 4,096. Within
+    ``gpu_memory_fraction`` of the device."""
+
+    gpu_memory_fraction: float = Field(1.0, gt=0.0, le=1.0)
+    """The share of its GPU's memory the ``micro_batch_tokens = -1`` budget plans for: the
+    learner's memory is at most this share of the device, less what it already holds (1.0:
+    the whole device less what other processes hold at the time). Set it below 1 where the
+    learner shares its GPU with a process that grows later (the one-GPU job's rollout
+    engine: ``ray.learner_gpus``), or to compare steps at a memory ceiling. No effect on
+    the CPU or with a fixed budget."""
 
     pack_sequences: bool = False
     """Run every forward of the policy, critic and reference on the micro-batch's

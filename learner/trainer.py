@@ -407,16 +407,21 @@ class Learner(CheckpointMixin, SupervisedMixin):
     def _memory_token_budget(self) -> int:
         """The token budget ``micro_batch_tokens = -1`` stands for (CPU: 4,096).
 
-        On CUDA it is sized twice. At start-up, from the memory free less the AdamW states
-        still to come (:data:`learner.batch.OPTIMIZER_BYTES_PER_PARAMETER` per trainable
-        parameter) and the estimate of :func:`learner.batch.memory_token_budget`, at most
+        On CUDA it is sized twice, within ``gpu_memory_fraction`` of the device. At
+        start-up, from the memory free (at most that share less what the learner reserved)
+        less the AdamW states still to come
+        (:data:`learner.batch.OPTIMIZER_BYTES_PER_PARAMETER` per trainable parameter) and
+        the estimate of :func:`learner.batch.memory_token_budget`, at most
         :data:`FIRST_STEP_TOKEN_BUDGET`; after the first RL learner step
         (:meth:`_settle_token_budget`) from what that step measured. Ranks take the
         smallest of their budgets: each one cuts every rank's micro-batches
         (:meth:`_micro_plan`), and their counts must agree."""
         if self.device.type != "cuda":
             return CPU_AUTO_TOKEN_BUDGET
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # within the learner's share of the device, less what it holds (its weights)
+        share = self.config.gpu_memory_fraction * total
+        free = min(free, int(share) - torch.cuda.memory_reserved(self.device))
         trainable = sum(
             p.numel()
             for engine in (self.policy_engine, self.critic_engine)
@@ -448,9 +453,11 @@ class Learner(CheckpointMixin, SupervisedMixin):
     def _settle_token_budget(self) -> None:
         """After the first RL learner step on CUDA: the ``micro_batch_tokens = -1`` budget
         from what that step measured (:class:`learner.batch.MemoryProbe`), once. The memory
-        its states and optimizer steps held (``state_bytes``) and what is not torch's (the
-        CUDA context) come off the device's total; what is left, divided by the bytes a
-        training micro-batch held per token, gives :func:`learner.batch.settled_token_budget`.
+        its states and optimizer steps held (``state_bytes``) comes off the device's total
+        less what is not torch's (the CUDA contexts, other processes), or off
+        ``gpu_memory_fraction`` of the total where that is less; what is left, divided by
+        the bytes a training micro-batch held per token, gives
+        :func:`learner.batch.settled_token_budget`.
         SFT steps do not settle it: the critic's optimizer states do not exist yet then.
         Every rank settles at the same step and all take the smallest budget."""
         if self.budget_settled:
@@ -462,7 +469,8 @@ class Learner(CheckpointMixin, SupervisedMixin):
         if measured:
             free, total = torch.cuda.mem_get_info(self.device)
             not_torch = total - free - torch.cuda.memory_reserved(self.device)
-            available = total - not_torch - probe.state_bytes
+            device = min(total - not_torch, int(self.config.gpu_memory_fraction * total))
+            available = device - probe.state_bytes
             budget = settled_token_budget(available, probe.bytes_per_token)
         self.auto_micro_batch_tokens = self._smallest_over_ranks(budget)
         if measured:

@@ -204,23 +204,32 @@ def test_memory_probe_and_settled_budget_by_hand():
         settled_token_budget(1, 1.0, fraction=1.5)
 
 
-def test_learner_tells_the_probe_which_micro_batches_accumulate(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_learner_tells_the_probe_which_micro_batches_accumulate(
+    tiny_llama_dir, monkeypatch, fraction
+):
     """The learner step's side of the probe (measured on CUDA; here the CUDA memory counters
     are stand-ins): every training micro-batch is measured, the first of each mini-batch as
     allocating the gradients and the rest as accumulating into them, and the budget settles
-    after the step from what was recorded."""
+    after the step from what was recorded, within ``gpu_memory_fraction`` of the device."""
     from learner_factories import make_batch, make_tiny_learner
 
+    from learner.batch import settled_token_budget
     from learner.config import PPOConfig
 
-    learner = make_tiny_learner(tiny_llama_dir, PPOConfig(), zero_stage=2)  # 2 micro per mini
+    learner = make_tiny_learner(  # 2 micro-batches per mini-batch
+        tiny_llama_dir, PPOConfig(), zero_stage=2, gpu_memory_fraction=fraction
+    )
     learner.budget_settled = False  # as on CUDA before the first RL step
     allocated = iter(range(1000, 10**9, 1000))
+    gib = 2**30
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 10**9)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 10**9)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**10, 2 * 10**10))
+    peak = 64 * 2**20
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak)
+    # 20 GiB device, 10 GiB free, 3 GiB reserved by this process: 7 GiB held by others
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 20 * gib))
     seen = []
     record = learner.memory_probe.micro_batch
     monkeypatch.setattr(
@@ -236,4 +245,8 @@ def test_learner_tells_the_probe_which_micro_batches_accumulate(tiny_llama_dir, 
     probe = learner.memory_probe
     assert set(probe.largest_accumulating) == {"policy", "critic"}
     assert probe.optimizer_steps == 2 and learner.budget_settled
-    assert learner.auto_micro_batch_tokens >= 256
+    assert probe.state_bytes == peak  # the optimizer steps' peak
+    # the device less the others' 7 GiB (13 GiB), or 5 GiB at a quarter; less the states
+    device = 13 * gib if fraction == 1.0 else 5 * gib
+    want = settled_token_budget(device - peak, probe.bytes_per_token)
+    assert learner.auto_micro_batch_tokens == want > 256
