@@ -386,6 +386,19 @@ class RunConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _check_shared_gpu_budget(self) -> RunConfig:
+        share, learner = self.ray.learner_gpus, self.learner
+        if learner.micro_batch_tokens == -1 and 0.0 < share < learner.gpu_memory_fraction:
+            raise ValueError(
+                f"learner.gpu_memory_fraction = {learner.gpu_memory_fraction} is more than "
+                f"the learner's share of its GPU (ray.learner_gpus = {share}): with "
+                "micro_batch_tokens = -1 its budget would plan for memory the GPU's other "
+                f"tenant (the rollout engine) grows into; set learner.gpu_memory_fraction <= "
+                f"{share}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_group_size_for_grpo(self) -> RunConfig:
         if self.algorithm.variant in ("grpo", "so_grpo") and self.rollout.group_size < 2:
             raise ValueError(

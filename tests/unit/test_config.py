@@ -83,6 +83,12 @@ def test_dotted_overrides_parse_toml_values():
             ["sync.fixed_lag=true", "rollout.calls_per_actor=2"],
             "rollout.calls_per_actor must be 1 with sync.fixed_lag = true (got 2)",
         ),
+        (["learner.gpu_memory_fraction=0"], "learner.gpu_memory_fraction"),
+        (
+            ["ray.learner_gpus=0.5", "learner.micro_batch_tokens=-1"],
+            "learner.gpu_memory_fraction = 1.0 is more than the learner's share of its GPU "
+            "(ray.learner_gpus = 0.5)",
+        ),
     ],
 )
 def test_invalid_values_fail_naming_the_field(overrides, expected):
@@ -113,6 +119,19 @@ def test_override_syntax_errors():
         apply_overrides({}, ["learner.actor_lr"])
     with pytest.raises(ConfigError, match="is not a section"):
         apply_overrides({"learner": 3}, ["learner.actor_lr=1"])
+
+
+def test_a_learner_sharing_its_gpu_plans_within_its_share():
+    cfg = load_config(
+        None,
+        [
+            "ray.learner_gpus=0.5",
+            "learner.micro_batch_tokens=-1",
+            "learner.gpu_memory_fraction=0.45",
+        ],
+    )
+    assert cfg.learner.gpu_memory_fraction == 0.45
+    assert load_config(None, ["ray.learner_gpus=0.5"]).learner.micro_batch_tokens != -1
 
 
 def test_update_config_switches_variant_keeping_shared_fields():
