@@ -21,8 +21,8 @@ Code paths (``--paths``), switched on the same learner in the same process:
 ``--micro-tokens`` sets the budget of ``new`` and ``packed``; -1 sizes it from the memory
 free after the models are loaded (``micro_batch_tokens = -1``,
 :func:`learner.batch.memory_token_budget`), settled after the first step from what it
-measured; ``--gpu-memory-fraction`` keeps it within a share of the GPU (to compare steps at
-a memory ceiling: 0.48 of an H200 is the 66.7 GiB issue 46 started from).
+measured; ``--gpu-memory-fraction`` keeps it within a share of the GPU, ``--gpu-memory-gib``
+within so many GiB (steps compared at a memory ceiling: issue 46 started from 66.7 GiB).
 
 Model shapes (``--shape``, random weights with the project's tokenizer; implies
 ``--random-init``): ``135m`` is SmolLM2-135M's own config, ``360m`` and ``1.7b``
@@ -488,6 +488,14 @@ def padded_tokens(trajectories: list[Trajectory], micro: int) -> int:
     return total
 
 
+def gpu_memory_fraction(args: argparse.Namespace) -> float:
+    """``--gpu-memory-fraction``, or ``--gpu-memory-gib`` over the GPU's total (at most 1)."""
+    if args.gpu_memory_gib <= 0.0 or not torch.cuda.is_available():
+        return args.gpu_memory_fraction
+    total = torch.cuda.get_device_properties(0).total_memory
+    return min(1.0, args.gpu_memory_gib * 2**30 / total)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="data/model/smollm2-135m-instruct")
@@ -519,6 +527,12 @@ def main() -> None:
         type=float,
         default=1.0,
         help="learner.gpu_memory_fraction: the share of the GPU a -1 budget plans for",
+    )
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=0.0,
+        help="the same as GiB of this GPU (--gpu-memory-fraction = GiB / the GPU's total)",
     )
     parser.add_argument("--shape", default=None, choices=list(SHAPES), help="model shape")
     parser.add_argument("--gradient-checkpointing", action="store_true")
@@ -565,7 +579,7 @@ def main() -> None:
         actor_lr=1e-6,
         critic_lr=1e-5,
         gradient_checkpointing=args.gradient_checkpointing,
-        gpu_memory_fraction=args.gpu_memory_fraction,
+        gpu_memory_fraction=gpu_memory_fraction(args),
     )
     rss_start = _rss_gib()
     t0 = time.perf_counter()

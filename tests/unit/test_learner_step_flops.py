@@ -151,3 +151,19 @@ def test_profile_summary_counts_each_kernel_once():
     assert cpu_summary["time_s"] == pytest.approx(100e-6)  # the annotation's own 30 us too
     assert cpu_summary["by_category"] == pytest.approx({"matmul": 0.5, "optimizer": 0.5})
     assert "top_kernels" not in cpu_summary
+
+
+def test_gpu_memory_gib_is_a_share_of_the_device(monkeypatch):
+    from argparse import Namespace
+
+    import torch
+
+    args = Namespace(gpu_memory_fraction=0.9, gpu_memory_gib=66.7)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _bench.gpu_memory_fraction(args) == 0.9  # no GPU: the fraction as given
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    h200 = SimpleNamespace(total_memory=int(139.8 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: h200)
+    assert _bench.gpu_memory_fraction(args) == pytest.approx(66.7 / 139.8, rel=1e-6)
+    args.gpu_memory_gib = 500.0
+    assert _bench.gpu_memory_fraction(args) == 1.0
