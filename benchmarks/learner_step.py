@@ -630,7 +630,8 @@ def main() -> None:
     learner.step(trajectories)  # warm-up (allocator, first touch of the optimizer states)
     probe = learner.memory_probe
     measured = (
-        f" (measured: states {probe.state_bytes / 2**30:.1f} GiB, "
+        f" (measured: states {probe.state_bytes / 2**30:.1f} GiB, optimizer step peak "
+        f"{probe.optimizer_peak_bytes / 2**30:.1f} GiB, "
         f"{probe.bytes_per_token / 2**10:.0f} KiB per token)"
         if probe.optimizer_steps
         else ""

@@ -385,14 +385,24 @@ class MemoryProbe:
     model's bytes per token come from its accumulating micro-batches when it had any, and
     the gradients count once, in ``state_bytes``.
 
+    An optimizer step runs after its mini-batch's last backward, when no micro-batch's
+    activations are held, so its temporaries (DeepSpeed's float32 copy of the gradient
+    partition: 6.8 GB at 1.7B) never meet a micro-batch's: they are kept apart
+    (``optimizer_peak_bytes``), and what stays after the step (the AdamW states, created
+    at the first) counts in ``state_bytes``.
+
     Attributes:
         state_bytes: the most memory allocated before a training micro-batch's forward or
-            during an optimizer step (every weight, gradient and optimizer state, and the
-            optimizer step's temporaries), in bytes.
+            right after an applied optimizer step: what is held while a micro-batch runs
+            (every weight, gradient and optimizer state), in bytes. A step not applied may
+            not have created its states: its peak counts instead.
+        optimizer_peak_bytes: the most allocated during an optimizer step (the states and
+            the step's temporaries), in bytes.
         optimizer_steps: optimizer steps measured.
     """
 
     state_bytes: int = 0
+    optimizer_peak_bytes: int = 0
     optimizer_steps: int = 0
     largest: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
     """Per model: the tokens of its largest measured micro-batch and its bytes per token."""
@@ -424,10 +434,12 @@ class MemoryProbe:
         per_model = {**self.largest, **self.largest_accumulating}
         return max((per_token for _, per_token in per_model.values()), default=0.0)
 
-    def optimizer_step(self, peak: int) -> None:
-        """One optimizer step's peak allocated bytes (every state and its temporaries)."""
+    def optimizer_step(self, peak: int, after: int, applied: bool = True) -> None:
+        """One optimizer step: its peak allocated bytes (every state and its temporaries),
+        those allocated after it, and whether it was applied."""
         self.optimizer_steps += 1
-        self.state_bytes = max(self.state_bytes, peak)
+        self.optimizer_peak_bytes = max(self.optimizer_peak_bytes, peak)
+        self.state_bytes = max(self.state_bytes, after if applied else peak)
 
 
 def settled_token_budget(

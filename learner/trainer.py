@@ -453,7 +453,8 @@ class Learner(CheckpointMixin, SupervisedMixin):
     def _settle_token_budget(self) -> None:
         """After the first RL learner step on CUDA: the ``micro_batch_tokens = -1`` budget
         from what that step measured (:class:`learner.batch.MemoryProbe`), once. The memory
-        its states and optimizer steps held (``state_bytes``) comes off the device's total
+        held while its micro-batches ran (``state_bytes``: weights, gradients, optimizer
+        states; not an optimizer step's temporaries) comes off the device's total
         less what is not torch's (the CUDA contexts, other processes), or off
         ``gpu_memory_fraction`` of the total where that is less; what is left, divided by
         the bytes a training micro-batch held per token, gives
@@ -475,8 +476,8 @@ class Learner(CheckpointMixin, SupervisedMixin):
         self.auto_micro_batch_tokens = self._smallest_over_ranks(budget)
         if measured:
             logger.info(
-                "micro-batch token budget from the first step: %.1f GiB left by its states "
-                "and optimizer steps, %.0f KiB per token held by a micro-batch: %d tokens "
+                "micro-batch token budget from the first step: %.1f GiB left by its states, "
+                "%.0f KiB per token held by a micro-batch: %d tokens "
                 "(the smallest over ranks)",
                 available / 2**30,
                 probe.bytes_per_token / 2**10,
@@ -1190,7 +1191,11 @@ class Learner(CheckpointMixin, SupervisedMixin):
         else:  # the first step's peaks size the token budget (_settle_token_budget)
             torch.cuda.reset_peak_memory_stats(self.device)
             engine.step()
-            self.memory_probe.optimizer_step(torch.cuda.max_memory_allocated(self.device))
+            self.memory_probe.optimizer_step(
+                torch.cuda.max_memory_allocated(self.device),
+                torch.cuda.memory_allocated(self.device),
+                bool(engine.was_step_applied()),
+            )
         return bool(engine.was_step_applied()), _scalar(engine.get_global_grad_norm())
 
     @staticmethod

@@ -128,6 +128,7 @@ def test_memory_token_budget_settles_after_the_first_step(tiny_llama_dir: Path):
     assert learner.budget_settled and probe.optimizer_steps >= 2  # policy and critic
     assert set(probe.largest) == {"policy", "critic"} and probe.bytes_per_token > 0
     total = torch.cuda.get_device_properties(learner.device).total_memory
-    assert 0 < probe.state_bytes < total
+    # held while micro-batches run, at most what an optimizer step peaked at
+    assert 0 < probe.state_bytes <= probe.optimizer_peak_bytes < total
     assert learner.auto_micro_batch_tokens >= 256
     assert learner.step(make_batch(2)).skipped_steps == 0  # the settled budget runs

@@ -170,8 +170,8 @@ def test_memory_token_budget_by_hand():
 
 
 def test_memory_probe_and_settled_budget_by_hand():
-    """The first step's measurements: the states' peak is the most held before a micro-batch
-    or during an optimizer step; bytes per token come from each model's largest micro-batch
+    """The first step's measurements: the states are the most held before a micro-batch or
+    after an optimizer step (during one that was not applied); bytes per token come from each model's largest micro-batch
     (more per token breaks a tie), its largest accumulating one where it had any, the larger
     of the two models'."""
     from learner.batch import MemoryProbe, settled_token_budget
@@ -184,9 +184,14 @@ def test_memory_probe_and_settled_budget_by_hand():
     probe.micro_batch("critic", start=1100, peak=1100 + 800 * 11, tokens=800)
     assert probe.largest == {"policy": (400, 12.0), "critic": (800, 11.0)}
     assert probe.bytes_per_token == 12.0 and probe.optimizer_steps == 0
-    probe.optimizer_step(5000)
+    # an optimizer step's temporaries are gone before the next micro-batch: what stays
+    # after it (the AdamW states) is held, its peak is kept apart
+    probe.optimizer_step(peak=5000, after=1500)
+    assert (probe.state_bytes, probe.optimizer_peak_bytes, probe.optimizer_steps) == (1500, 5000, 1)
     probe.micro_batch("critic", start=4000, peak=3000, tokens=0)  # no tokens: states only
-    assert (probe.state_bytes, probe.optimizer_steps, probe.bytes_per_token) == (5000, 1, 12.0)
+    assert (probe.state_bytes, probe.bytes_per_token) == (4000, 12.0)
+    probe.optimizer_step(peak=4500, after=1000, applied=False)  # its states may come later
+    assert (probe.state_bytes, probe.optimizer_peak_bytes, probe.optimizer_steps) == (4500, 5000, 2)
     # a micro-batch accumulating into held gradients measures the policy's own bytes per
     # token, even from fewer tokens: the first's peak also held the gradients it allocated
     probe.micro_batch("policy", start=1300, peak=1300 + 300 * 7, tokens=300, accumulating=True)
@@ -221,9 +226,13 @@ def test_learner_tells_the_probe_which_micro_batches_accumulate(
         tiny_llama_dir, PPOConfig(), zero_stage=2, gpu_memory_fraction=fraction
     )
     learner.budget_settled = False  # as on CUDA before the first RL step
-    allocated = iter(range(1000, 10**9, 1000))
+    counter, returned = iter(range(1000, 10**9, 1000)), []
     gib = 2**30
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
+    monkeypatch.setattr(
+        torch.cuda,
+        "memory_allocated",
+        lambda device=None: returned.append(next(counter)) or returned[-1],
+    )
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     peak = 64 * 2**20
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak)
@@ -245,8 +254,10 @@ def test_learner_tells_the_probe_which_micro_batches_accumulate(
     probe = learner.memory_probe
     assert set(probe.largest_accumulating) == {"policy", "critic"}
     assert probe.optimizer_steps == 2 and learner.budget_settled
-    assert probe.state_bytes == peak  # the optimizer steps' peak
+    # held: the most allocated before a micro-batch or after an optimizer step, not the
+    # optimizer steps' peak
+    assert (probe.state_bytes, probe.optimizer_peak_bytes) == (max(returned), peak)
     # the device less the others' 7 GiB (13 GiB), or 5 GiB at a quarter; less the states
     device = 13 * gib if fraction == 1.0 else 5 * gib
-    want = settled_token_budget(device - peak, probe.bytes_per_token)
+    want = settled_token_budget(device - max(returned), probe.bytes_per_token)
     assert learner.auto_micro_batch_tokens == want > 256
