@@ -365,9 +365,6 @@ def summarize_profile(events, on_gpu: bool, top: int = 15) -> dict:
     """
     from torch.autograd import DeviceType
 
-    def annotation(event) -> bool:
-        return bool(getattr(event, "is_user_annotation", False))
-
     on_cpu = [
         e
         for e in events
@@ -382,7 +379,7 @@ def summarize_profile(events, on_gpu: bool, top: int = 15) -> dict:
         kernels = [
             (e.key, e.self_device_time_total / 1e6)
             for e in events
-            if e.device_type != DeviceType.CPU and not annotation(e)
+            if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
         ]
         busy = sum(t for _, t in kernels)
         if busy > total:

@@ -498,8 +498,9 @@ class LearnerConfig(StrictModel):
     budget sized from the GPU memory: until the first RL step ends, 0.6 of the memory free
     at start-up less the AdamW states to come over an estimate of the activation bytes per
     token (:func:`learner.batch.memory_token_budget`), at most 8,192 tokens; then 0.8 of
-    the memory that step's states and optimizer steps left over the bytes per token its
-    micro-batches held (:class:`learner.batch.MemoryProbe`); CPU: 4,096. Within
+    the memory left by what that step held while its micro-batches ran (weights, gradients,
+    optimizer states) over the bytes per token they held (:class:`learner.batch.MemoryProbe`);
+    CPU: 4,096. Within
     ``gpu_memory_fraction`` of the device."""
 
     gpu_memory_fraction: float = Field(1.0, gt=0.0, le=1.0)

@@ -1194,7 +1194,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
             self.memory_probe.optimizer_step(
                 torch.cuda.max_memory_allocated(self.device),
                 torch.cuda.memory_allocated(self.device),
-                bool(engine.was_step_applied()),
+                applied=bool(engine.was_step_applied()),
             )
         return bool(engine.was_step_applied()), _scalar(engine.get_global_grad_norm())
 

@@ -171,9 +171,9 @@ def test_memory_token_budget_by_hand():
 
 def test_memory_probe_and_settled_budget_by_hand():
     """The first step's measurements: the states are the most held before a micro-batch or
-    after an optimizer step (during one that was not applied); bytes per token come from each model's largest micro-batch
-    (more per token breaks a tie), its largest accumulating one where it had any, the larger
-    of the two models'."""
+    after an optimizer step (during one that was not applied); bytes per token come from
+    each model's largest micro-batch (more per token breaks a tie), its largest accumulating
+    one where it had any, the larger of the two models'."""
     from learner.batch import MemoryProbe, settled_token_budget
 
     probe = MemoryProbe()
