@@ -540,6 +540,16 @@ class LearnerConfig(StrictModel):
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
 
+    compile_layers: bool = False
+    """``torch.compile`` every decoder layer of the policy, critic and reference (regional
+    compilation, one graph shared by all layers, dynamic shapes;
+    :class:`learner.modeling.LayerCompiler`): TorchInductor fuses the normalisations, the
+    rotary embedding and the SwiGLU product between the matmuls. Same values to rounding.
+    The first step pays the compile, about a minute on a GPU machine (Triton) and several on
+    a 2-core CPU (a C++ compiler is needed there); compiled code is cached under
+    ``.cache/torchinductor``. Switchable between steps. ZeRO stages 0-2 only (ZeRO-3 gathers
+    each layer's parameters in hooks inside the layer)."""
+
     logprob_chunk_tokens: int = Field(512, ge=0, le=1_048_576)
     """Tokens per chunk of the LM head when log-probs and entropy are computed from the
     last hidden states (:mod:`learner.logprobs`): only policy tokens go through the head,
@@ -558,6 +568,15 @@ class LearnerConfig(StrictModel):
             raise ValueError(
                 f"mini_batch_size ({self.mini_batch_size}) must be a multiple of "
                 f"micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_compile_stage(self) -> LearnerConfig:
+        if self.compile_layers and self.zero_stage == 3:
+            raise ValueError(
+                "compile_layers needs zero_stage <= 2 (ZeRO-3 gathers each layer's parameters "
+                "in hooks inside the layer, which the compiled graph would trace)"
             )
         return self
 

@@ -128,3 +128,95 @@ def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
     logits32 = logits.float()
     picked = torch.gather(logits32, -1, labels.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits32, dim=-1)
+
+
+COMPILE_BACKEND = "inductor"
+"""The ``torch.compile`` backend of :class:`LayerCompiler` (TorchInductor: Triton kernels on
+CUDA, C++ on CPU). The CPU tests swap in a backend that compiles nothing (inductor's C++
+build of one layer takes minutes on 2 cores)."""
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF model (or of a model holding one, e.g. the critic or a
+    DeepSpeed engine): every submodule whose class is named in an HF model's
+    ``_no_split_modules`` (``LlamaDecoderLayer`` for the SmolLM2 and Llama families).
+
+    Raises:
+        ValueError: ``model`` holds no HF model or no such block.
+    """
+    names = {
+        name
+        for module in model.modules()
+        for name in (getattr(module, "_no_split_modules", None) or [])
+    }
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} holds no decoder layer to compile (no HF model with "
+            f"_no_split_modules among its submodules)"
+        )
+    return layers
+
+
+class LayerCompiler:
+    """Regional ``torch.compile`` of the blocks of every decoder layer, switchable.
+
+    The blocks are each decoder layer's direct children (Llama: the attention, the MLP and
+    the two RMSNorms). Each block's ``forward`` is shadowed by
+    ``torch.compile(block.forward, dynamic=True)`` while on; off deletes the shadow (the
+    class's eager forward again), keeping the compiled function for the next switch on. The
+    layer's own forward (two residual adds) stays eager: transformers hooks the attention
+    to capture its outputs, the hook reads a context variable TorchDynamo cannot trace, and
+    a compiled layer broke its graph there (two graphs per layer, resumed in between); a
+    block's hooks run outside its compiled forward. Dynamo caches graphs on the block
+    class's code and, with nn modules inlined (torch's default since 2.5), treats
+    parameters as inputs, so every layer of every model shares a block's graphs (regional
+    compilation, as torchtitan compiles each TransformerBlock). Graphs differ by autograd
+    mode (with and without grad), by one row against several (sizes 0 and 1 are
+    specialised) and, for the attention, by the keyword arguments a model passes (8 at
+    most, seen on the learner's step; dynamo's limit is raised to 32); dynamic shapes keep
+    other widths and row counts from compiling again.
+
+    What it buys: inductor fuses the RMSNorm (float32 upcast, mean of squares, scale), the
+    rotary embedding and SiLU x up-projection into a few kernels; matmuls and attention
+    stay cuBLAS / SDPA. The values are the eager ones to rounding
+    (``tests/unit/test_compile_layers.py`` checks the graphs and the wiring on the CPU,
+    ``tests/gpu/test_learner_cuda.py`` inductor's kernels on CUDA).
+
+    Args:
+        models: the models whose layers to compile (:func:`decoder_layers` of each).
+        backend: the ``torch.compile`` backend; default :data:`COMPILE_BACKEND` read when
+            switched on.
+
+    Raises:
+        ValueError: a model with no decoder layer (:func:`decoder_layers`).
+    """
+
+    def __init__(self, models: list[nn.Module], backend: str | None = None) -> None:
+        self.layers = [layer for model in models for layer in decoder_layers(model)]
+        self.blocks = [block for layer in self.layers for block in layer.children()]
+        self.backend = backend
+        self.enabled = False
+        self._compiled: list | None = None  # per block, made at the first switch on
+
+    def set(self, enabled: bool) -> None:
+        """Switch every block to its compiled (True) or eager (False) forward; idempotent."""
+        if enabled == self.enabled:
+            return
+        if enabled and self._compiled is None:
+            backend = self.backend or COMPILE_BACKEND
+            # the attention's graphs: 2 autograd modes x 1 or more rows x the policy's and
+            # the critic's keyword arguments (output_hidden_states) = 8, dynamo's default
+            # limit, past which a new case would run eagerly
+            from torch._dynamo import config as dynamo_config
+
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 32)
+            self._compiled = [
+                torch.compile(block.forward, dynamic=True, backend=backend) for block in self.blocks
+            ]
+        for index, block in enumerate(self.blocks):
+            if enabled:
+                block.forward = self._compiled[index]
+            else:
+                del block.forward  # the instance attribute: the class's forward again
+        self.enabled = enabled

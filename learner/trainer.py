@@ -115,7 +115,7 @@ from learner.distributed import (
     init_single_process_distributed,
 )
 from learner.logprobs import TokenStats, lm_head_of, masked_token_stats
-from learner.modeling import ValueModel, response_logits, token_logprobs
+from learner.modeling import LayerCompiler, ValueModel, response_logits, token_logprobs
 from learner.packing import model_inputs
 from learner.sft import SupervisedMixin
 from learner.step_metrics import (
@@ -303,6 +303,8 @@ class Learner(CheckpointMixin, SupervisedMixin):
         if config.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
             critic.gradient_checkpointing_enable()
+        self.layer_compiler = LayerCompiler([policy, critic, reference])
+        self.layer_compiler.set(config.compile_layers)
         self.policy_engine = self._initialize(deepspeed, policy, config.actor_lr)
         self.critic_engine = self._initialize(deepspeed, critic, config.critic_lr)
         self.reference_engine, *_ = deepspeed.initialize(
@@ -539,6 +541,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
             ValueError: a trajectory that fails :meth:`Trajectory.validate`.
         """
         start = time.perf_counter()
+        self.layer_compiler.set(self.config.compile_layers)
         algorithm = self.algorithm
         selection = self._select(trajectories, algorithm)
         batch = collate_trajectories(selection.kept, self.pad_token_id)

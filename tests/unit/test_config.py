@@ -85,6 +85,10 @@ def test_dotted_overrides_parse_toml_values():
         ),
         (["learner.gpu_memory_fraction=0"], "learner.gpu_memory_fraction"),
         (
+            ["learner.compile_layers=true", "learner.zero_stage=3"],
+            "learner: Value error, compile_layers needs zero_stage <= 2",
+        ),
+        (
             ["ray.learner_gpus=0.5", "learner.micro_batch_tokens=-1"],
             "learner.gpu_memory_fraction = 1.0 is more than the learner's share of its GPU "
             "(ray.learner_gpus = 0.5)",
