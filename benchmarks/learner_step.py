@@ -16,7 +16,10 @@ Code paths (``--paths``), switched on the same learner in the same process:
 - ``new``: ``chunked`` and micro-batches by a token budget of 1,024 padded slots
   (``micro_batch_tokens``, :func:`learner.batch.token_budget_micro_batches`);
 - ``packed``: ``new`` with every forward on the micro-batch's trajectories packed without
-  padding (``pack_sequences``, :mod:`learner.packing`), the budget counting real tokens.
+  padding (``pack_sequences``, :mod:`learner.packing`), the budget counting real tokens;
+- ``compiled``: ``packed`` with every decoder layer compiled by TorchInductor
+  (``compile_layers``, :class:`learner.modeling.LayerCompiler`); the compile happens in a
+  warm-up step of its own, before the measured rounds (its seconds are printed).
 
 ``--micro-tokens`` sets the budget of ``new`` and ``packed``; -1 sizes it from the memory
 free after the models are loaded (``micro_batch_tokens = -1``,
@@ -126,6 +129,12 @@ PATHS = {
     "chunked": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 0},
     "new": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 1024},
     "packed": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 1024, "pack_sequences": True},
+    "compiled": {
+        "logprob_chunk_tokens": 512,
+        "micro_batch_tokens": 1024,
+        "pack_sequences": True,
+        "compile_layers": True,
+    },
 }
 """LearnerConfig overrides of each code path (see the module docstring)."""
 
@@ -619,12 +628,26 @@ def main() -> None:
     rates: list[float] = []
     peak_rates: list[float] = []
     on_gpu = learner.device.type == "cuda"
+    learner.set_algorithm(VARIANTS["st_ppo"])
+    learner.step(trajectories)  # warm-up (allocator, first touch of the optimizer states)
+    compile_s = None
+    compiling = [p for p in paths if path_config(p, path_configs).get("compile_layers")]
+    if compiling:  # the compile (graphs with and without grad) outside the measured rounds
+        learner.config = base.model_copy(update=path_config(compiling[0], path_configs))
+        t0 = time.perf_counter()
+        try:
+            learner.step(trajectories)
+        except Exception as error:  # a GPU window is short: measure the other paths
+            print(f"  compile FAILED, paths {compiling} dropped: {error!r}", flush=True)
+            paths = [p for p in paths if p not in compiling]
+        else:
+            compile_s = time.perf_counter() - t0
+            print(f"  compile warm-up step [{compiling[0]}]: {compile_s:.1f} s", flush=True)
+        learner.config = base
     times: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
     peaks: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
     gpu_peaks: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
     last: dict[tuple[str, str], dict] = {}
-    learner.set_algorithm(VARIANTS["st_ppo"])
-    learner.step(trajectories)  # warm-up (allocator, first touch of the optimizer states)
     probe = learner.memory_probe
     measured = (
         f" (measured: states {probe.state_bytes / 2**30:.1f} GiB, optimizer step peak "
@@ -734,6 +757,7 @@ def main() -> None:
             "peak_tflops": peak_rate / 1e12 if peak_rate else None,
         },
         "init_s": init_s,
+        "compile_warmup_s": compile_s,
         "rss_start_gib": rss_start,
         "rss_after_init_gib": rss_after_init,
         "peak_rss_gib": _peak_rss_gib(),
