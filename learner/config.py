@@ -541,8 +541,8 @@ class LearnerConfig(StrictModel):
     """Recompute activations in backward to save memory."""
 
     compile_layers: bool = False
-    """``torch.compile`` every decoder layer of the policy, critic and reference (regional
-    compilation, one graph shared by all layers, dynamic shapes;
+    """``torch.compile`` each decoder layer's attention, MLP and norms in the policy, critic
+    and reference (regional compilation: every layer shares the graphs; dynamic shapes;
     :class:`learner.modeling.LayerCompiler`): TorchInductor fuses the normalisations, the
     rotary embedding and the SwiGLU product between the matmuls. Same values to rounding.
     The first step pays the compile, about a minute on a GPU machine (Triton) and several on

@@ -132,8 +132,8 @@ def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
 
 COMPILE_BACKEND = "inductor"
 """The ``torch.compile`` backend of :class:`LayerCompiler` (TorchInductor: Triton kernels on
-CUDA, C++ on CPU). The CPU tests swap in a backend that compiles nothing (inductor's C++
-build of one layer takes minutes on 2 cores)."""
+CUDA, C++ on CPU). The CPU tests swap in ``aot_eager``, which traces the same graphs and
+runs them with eager kernels (inductor's C++ build takes minutes on 2 cores)."""
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
