@@ -17,9 +17,9 @@ Code paths (``--paths``), switched on the same learner in the same process:
   (``micro_batch_tokens``, :func:`learner.batch.token_budget_micro_batches`);
 - ``packed``: ``new`` with every forward on the micro-batch's trajectories packed without
   padding (``pack_sequences``, :mod:`learner.packing`), the budget counting real tokens;
-- ``compiled``: ``packed`` with every decoder layer compiled by TorchInductor
-  (``compile_layers``, :class:`learner.modeling.LayerCompiler`); the compile happens in a
-  warm-up step of its own, before the measured rounds (its seconds are printed).
+- ``compiled``: ``packed`` with each decoder layer's attention, MLP and norms compiled by
+  TorchInductor (``compile_layers``, :class:`learner.modeling.LayerCompiler`); the compile
+  happens in a warm-up step of its own, before the measured rounds (its seconds are printed).
 
 ``--micro-tokens`` sets the budget of ``new`` and ``packed``; -1 sizes it from the memory
 free after the models are loaded (``micro_batch_tokens = -1``,
@@ -128,14 +128,9 @@ PATHS = {
     "old": {"logprob_chunk_tokens": 0, "micro_batch_tokens": 0},
     "chunked": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 0},
     "new": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 1024},
-    "packed": {"logprob_chunk_tokens": 512, "micro_batch_tokens": 1024, "pack_sequences": True},
-    "compiled": {
-        "logprob_chunk_tokens": 512,
-        "micro_batch_tokens": 1024,
-        "pack_sequences": True,
-        "compile_layers": True,
-    },
 }
+PATHS["packed"] = {**PATHS["new"], "pack_sequences": True}
+PATHS["compiled"] = {**PATHS["packed"], "compile_layers": True}
 """LearnerConfig overrides of each code path (see the module docstring)."""
 
 

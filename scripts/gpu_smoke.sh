@@ -16,14 +16,14 @@
 #       and the HF engine's generation on CUDA (also two calls merged into one).
 #   scripts/gpu_smoke.sh --scale [--with-3b] [--bundle DIR] [--out DIR]
 #       The --learner install, the CUDA packing, budget and compile tests, and the learner at
-#       a size users train: random SmolLM2-1.7B shapes, policy + critic + reference, bf16 ZeRO-2, 64
-#       trajectories; st_ppo and so_grpo on the chunked path (micro-batches of 4), the packed
-#       path (a budget sized from GPU memory) and the packed path with compiled decoder layers
-#       (4,096 real tokens per micro-batch, and the memory-sized budget), side by side, with
-#       the share of the bf16 peak and peak memory (151 s on an H200 before `compiled`). --with-3b
-#       adds one st_ppo step at a Llama-3.2-3B shape with gradient checkpointing and packed
-#       micro-batches of 8,192 tokens (a GPU of 140 GiB: the 3B policy and critic with their
-#       AdamW states take ~127 GiB, the step peaks near 132).
+#       a size users train: random SmolLM2-1.7B shapes, policy + critic + reference, bf16
+#       ZeRO-2, 64 trajectories; st_ppo and so_grpo on the chunked path (micro-batches of 4),
+#       the packed path (a budget sized from GPU memory) and the packed path with compiled
+#       decoder layers (4,096 real tokens per micro-batch, and the memory-sized budget), side
+#       by side, with the share of the bf16 peak and peak memory (151 s on an H200 before
+#       `compiled`). --with-3b adds one st_ppo step at a Llama-3.2-3B shape with gradient
+#       checkpointing and packed micro-batches of 8,192 tokens (a GPU of 140 GiB: the 3B
+#       policy and critic with their AdamW states take ~127 GiB, the step peaks near 132).
 #   scripts/gpu_smoke.sh --job [--bundle DIR] [--out DIR]
 #       The whole job on one GPU, no network: the --learner install plus the job's wheels
 #       (Ray, FastAPI, BM25), joined from the parts `scripts/gpu_bundle.py prepare --job` made
@@ -57,7 +57,7 @@ while (($#)); do
     --with-3b) WITH_3B=1 ;;
     --out) OUT_DIR=${2:?--out needs a directory}; shift ;;
     --bundle) BUNDLE=${2:?--bundle needs a directory}; shift ;;
-    -h | --help) sed -n '2,42p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;
     *) echo "[gpu-smoke] unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -176,8 +176,8 @@ run() {
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o junit_family=xunit1)  # xunit1: test properties
 if [[ "$MODE" == scale ]]; then
-  run tests_gpu "${PYTEST[@]}" --junitxml="$DETAILS/tests_gpu.xml" -k "packed or budget or compiled" \
-    tests/gpu/test_learner_cuda.py
+  run tests_gpu "${PYTEST[@]}" --junitxml="$DETAILS/tests_gpu.xml" \
+    -k "packed or budget or compiled" tests/gpu/test_learner_cuda.py
   # the issue-46 batch: 64 trajectories spread like the main job's, 4 optimizer steps;
   # compiled: packed with inductor-compiled decoder layers (compiled once, before the rounds);
   # --profile: one more packed st_ppo step (the last path), its CUDA kernel time by category
