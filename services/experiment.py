@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,13 @@ class ExperimentSpec(StrictModel):
     """``dotted.key -> value`` for the shared warm start only (after ``overrides``), e.g. both
     cores for its learner, which runs alone: ``ray.num_cpus = 3`` and ``ray.learner_cpus =
     2`` (Ray gives an actor as many BLAS threads as CPUs; the idle rollout actor keeps 1)."""
+
+    archive_dir: Path | None = None
+    """Keep every finished run (and the shared warm start) in this directory, relative to
+    the working directory, as one file per run meant to be committed with the source
+    (:mod:`services.run_archive`): at the start of a sitting the archived runs are written
+    back under the output directory and skipped, so the grid resumes on any machine with
+    the checkout. None: the grid lives in its output directory alone."""
 
     seed_major: bool = False
     """Run order: every grid point's first seed, then every grid point's second seed...
@@ -708,18 +716,24 @@ def run_experiment(
     cap_s = spec.max_run_s if max_run_s is None else max_run_s
     warm = plan_warm_start(spec, name, output_dir, extra_overrides)
     start = time.perf_counter()
+    archive = _Archive(spec, name, output_dir, warm) if spec.archive_dir else None
     if warm is not None:
+        if archive is not None:
+            archive.restore_warm_start()
         _run_warm_start(warm, warm_start_policy_dir(spec, name, output_dir), skip_finished)
     done: set[str] = set()
     # round 1: the first seeds (and more_seeds already decided by an earlier sitting);
     # round 2: more_seeds for the cells the finished first seeds leave undecided
     for _ in range(2 if spec.more_seeds else 1):
+        if archive is not None:
+            archive.sync(plan_runs(spec, name, output_dir, extra_overrides))
         planned = select_runs(plan_runs(spec, name, output_dir, extra_overrides), only or {})
         todo = _unfinished(planned, name, skip_finished, done)
         if not todo:
             break
         done.update(run.name for _, run in todo)
-        _run_all(todo, cap_s, spec.parallel_runs, start)
+        on_finished = archive.add if archive is not None else None
+        _run_all(todo, cap_s, spec.parallel_runs, start, on_finished)
     result = summarize_experiment(name, output_dir, extra_overrides, experiments_dir, cap_s)
     result.wall_s = time.perf_counter() - start
     return result
@@ -747,10 +761,15 @@ def _unfinished(
 
 
 def _run_all(
-    todo: list[tuple[str, PlannedRun]], cap_s: float, parallel_runs: int, start: float
+    todo: list[tuple[str, PlannedRun]],
+    cap_s: float,
+    parallel_runs: int,
+    start: float,
+    on_finished: Callable[[PlannedRun], None] | None = None,
 ) -> None:
     """Run ``todo`` one after the other in this process, or ``parallel_runs`` at a time in
-    child processes (:func:`_run_in_processes`)."""
+    child processes (:func:`_run_in_processes`); ``on_finished`` is called with each run
+    that finished without error, as it finishes."""
     if parallel_runs == 1:
         for label, run in todo:
             print(f"{label}: {run.grid_values} seed {run.seed}")
@@ -758,8 +777,10 @@ def _run_all(
                 train_with_time_cap(run.config, cap_s)
             finally:
                 _detach_run_log(run.config.run_dir)
+            if on_finished is not None:
+                on_finished(run)
     else:
-        _run_in_processes(todo, cap_s, parallel_runs, start)
+        _run_in_processes(todo, cap_s, parallel_runs, start, on_finished)
 
 
 def summarize_experiment(
@@ -781,6 +802,11 @@ def summarize_experiment(
     spec = load_experiment(experiment_path(name, experiments_dir))
     warm = plan_warm_start(spec, name, output_dir, extra_overrides)
     planned = plan_runs(spec, name, output_dir, extra_overrides)
+    if spec.archive_dir:
+        archive = _Archive(spec, name, output_dir, warm)
+        archive.restore_warm_start()
+        archive.sync(planned)
+        planned = plan_runs(spec, name, output_dir, extra_overrides)  # more_seeds decided
     started = [r for r in planned if (r.config.run_dir / "config.json").exists()]
     summaries = [summarize_run(r.config.run_dir, spec.collapse, r.seed) for r in started]
     extra = {
@@ -812,6 +838,60 @@ def summarize_experiment(
             run_dirs, spec.collapse, out_dir, baseline=spec.baseline_method, extra=extra
         )
     return ExperimentResult(summaries, json_path, md_path, figure, 0.0, cells_md)
+
+
+class _Archive:
+    """A grid's :attr:`ExperimentSpec.archive_dir` (:mod:`services.run_archive`), bound to
+    its output directory and warm start."""
+
+    def __init__(
+        self, spec: ExperimentSpec, name: str, output_dir: Path, warm: PlannedRun | None
+    ) -> None:
+        assert spec.archive_dir is not None
+        self.dir = spec.archive_dir
+        self.warm = warm
+        self.policy_dir = warm_start_policy_dir(spec, name, output_dir) if warm else None
+
+    def restore_warm_start(self) -> None:
+        """Write the archived warm start back unless this machine has it (it then skips
+        the SFT); nothing without a shared warm start."""
+        from services import run_archive
+
+        if self.warm is None or self.policy_dir is None:
+            return
+        if run_archive.restore_warm_start(self.dir, self.warm.config.run_dir, self.policy_dir):
+            print(f"[experiment] shared warm start restored from {self.dir}", flush=True)
+
+    def _digest(self) -> str | None:
+        """The grid's warm start digest, archiving the warm start first if it is new (the
+        archived one's while this machine has none; None without a shared warm start)."""
+        from services import run_archive
+
+        if self.warm is None or self.policy_dir is None:
+            return None
+        if not (self.policy_dir / "config.json").exists():
+            return run_archive.archived_warm_start_digest(self.dir)
+        run_archive.archive_warm_start(self.warm.config.run_dir, self.policy_dir, self.dir)
+        return run_archive.policy_digest(self.policy_dir)
+
+    def sync(self, planned: list[PlannedRun]) -> None:
+        """Archive the planned runs finished here and not archived yet, then restore the
+        archived ones not finished here."""
+        from services import run_archive
+
+        digest = self._digest()
+        run_dirs = [run.config.run_dir for run in planned]
+        run_archive.archive_finished(self.dir, run_dirs, digest)
+        restored = run_archive.restore_runs(self.dir, run_dirs, digest)
+        if restored:
+            print(f"[experiment] {len(restored)} finished run(s) restored from {self.dir}")
+
+    def add(self, run: PlannedRun) -> None:
+        """Archive ``run``, which has just finished."""
+        from services import run_archive
+
+        path = run_archive.archive_run(run.config.run_dir, self.dir, self._digest())
+        print(f"[experiment] {run.name} archived in {path}", flush=True)
 
 
 def train_with_time_cap(cfg: RunConfig, max_run_s: float) -> Any:
@@ -854,10 +934,15 @@ def _train_in_child(config: dict[str, Any], max_run_s: float, console_log: str) 
 
 
 def _run_in_processes(
-    todo: list[tuple[str, PlannedRun]], max_run_s: float, workers: int, start: float
+    todo: list[tuple[str, PlannedRun]],
+    max_run_s: float,
+    workers: int,
+    start: float,
+    on_finished: Callable[[PlannedRun], None] | None = None,
 ) -> None:
     """Run ``todo`` ``workers`` at a time, each in a fresh spawned process
-    (:func:`_train_in_child`), starting them in order.
+    (:func:`_train_in_child`), starting them in order; ``on_finished`` is called (in this
+    process) with each run that finished without error.
 
     Raises:
         RuntimeError: a run failed (the runs already started finish first; none starts
@@ -888,6 +973,8 @@ def _run_in_processes(
                 elapsed = time.perf_counter() - start
                 if error is None:
                     print(f"{label}: finished ({elapsed / 60:.1f} min into the grid)", flush=True)
+                    if on_finished is not None:
+                        on_finished(run)
                 else:
                     failed.append(f"{label}: {type(error).__name__}: {error} "
                                   f"(see {run.config.run_dir / 'console.log'})")  # fmt: skip

@@ -1,11 +1,14 @@
 """The arena in small, through the real pipeline: 2 methods x 1 seed x 3 learner steps on a
 tiny synthetic task (a Ray local cluster per run, HF rollout actor, DeepSpeed learner,
 managed BM25 retrieval server), two runs side by side, then the leaderboard; asserts the
-plumbing (methods reach the learner, the leaderboard reads the runs), not the science."""
+plumbing (methods reach the learner, the leaderboard reads the runs), not the science. Then
+the grid's archive: on a machine without the run directories the grid trains nothing and
+writes the same leaderboard from the archived runs."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from services.experiment import read_jsonl, run_experiment
 pytestmark = pytest.mark.integration
 
 
-def test_a_two_method_arena_writes_its_leaderboard(tmp_path: Path):
+def test_a_two_method_arena_writes_its_leaderboard(tmp_path: Path, capsys: pytest.CaptureFixture):
     data = tmp_path / "synthetic"
     build_tiny_task(data)
     overrides = tiny_run_overrides(data) | {
@@ -30,7 +33,7 @@ def test_a_two_method_arena_writes_its_leaderboard(tmp_path: Path):
         experiments,
         "tiny_arena",
         {"seeds": [0], "num_steps": 3, "parallel_runs": 2, "leaderboard": True,
-         "baseline_method": "ppo_behavior"},
+         "baseline_method": "ppo_behavior", "archive_dir": str(tmp_path / "archive")},
         {
             "grid": {"method": ["ppo_behavior", "ppo_icepop"], "buffer.max_staleness": [1]},
             "overrides": overrides,
@@ -69,3 +72,17 @@ def test_a_two_method_arena_writes_its_leaderboard(tmp_path: Path):
     assert len(board["bias_norm_over_tau"]) == 2
     assert "### Staleness 1" in (out / "leaderboard.md").read_text()
     assert (out / "leaderboard_intervals.png").stat().st_size > 5_000
+
+    # the archive: one file per finished run; a new machine (no run directories) restores
+    # them, trains nothing and writes the same leaderboard
+    archived = sorted(p.name for p in (tmp_path / "archive").iterdir())
+    assert archived == [f"method-{m}_max_staleness-1_seed-0.json.gz"
+                        for m in ("ppo_behavior", "ppo_icepop")]  # fmt: skip
+    first_console = capsys.readouterr().out
+    for m in ("ppo_behavior", "ppo_icepop"):  # archived as it finished, not at the end
+        assert f"method-{m}_max_staleness-1_seed-0 archived in" in first_console
+    shutil.rmtree(tmp_path / "runs")
+    run_experiment("tiny_arena", tmp_path / "runs", experiments_dir=experiments)
+    console = capsys.readouterr().out
+    assert "2 finished run(s) restored" in console and console.count("finished before") == 2
+    assert json.loads((out / "leaderboard.json").read_text())["rows"] == board["rows"]

@@ -1,0 +1,160 @@
+"""services.run_archive: a grid's finished runs and warm start, kept with the source and
+written back on another machine byte for byte (records and the times that date a run)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from services import run_archive
+from services.arena import read_run
+from services.collapse import CollapseRule
+from services.run_archive import ArchiveMismatchError
+
+DIGEST = "ab" * 32
+
+
+def make_run(run_dir: Path, finished: bool = True, seed: int = 0) -> Path:
+    """A run directory with the records the summaries read (two steps, start and end
+    evaluations when ``finished``)."""
+    run_dir.mkdir(parents=True)
+    config = {"run": {"label": "ppo_tis", "seed": seed}, "buffer": {"max_staleness": 4},
+              "algorithm": {"variant": "ppo"}}  # fmt: skip
+    (run_dir / "config.json").write_text(json.dumps(config))
+    (run_dir / "run.json").write_text(json.dumps({"run_id": "r1", "attempts": []}))
+    steps = [{"run_id": "r1", "step": i, "success_rate": 0.1 * i, "step_s": 1.0 + i}
+             for i in (1, 2)]  # fmt: skip
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    evals = [{"run_id": "r1", "tag": "start", "success_rate": 0.2}]
+    if finished:
+        evals.append({"run_id": "r1", "tag": "end", "success_rate": 0.3})
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    os.utime(run_dir / "config.json", (1_000_000.0, 1_000_000.0))
+    os.utime(run_dir / "eval.jsonl", (1_000_300.5, 1_000_300.5))
+    return run_dir
+
+
+def test_a_restored_run_equals_the_original(tmp_path: Path):
+    run = make_run(tmp_path / "here" / "method-ppo_tis_seed-0")
+    path = run_archive.archive_run(run, tmp_path / "archive", DIGEST)
+    assert path == tmp_path / "archive" / "method-ppo_tis_seed-0.json.gz"
+    record = run_archive.read_archived_run(path)
+    assert record["warm_start_sha256"] == DIGEST and record["machine"]["cpu"]
+
+    [restored] = run_archive.restore_runs(
+        tmp_path / "archive", [tmp_path / "there" / run.name], DIGEST
+    )
+    for name in run_archive.RUN_FILES:
+        assert (restored / name).read_bytes() == (run / name).read_bytes()
+    for name in run_archive.DATED_FILES:
+        assert (restored / name).stat().st_mtime == (run / name).stat().st_mtime
+    rule = CollapseRule()
+    assert read_run(restored, rule) == read_run(run, rule)
+    assert read_run(restored, rule).wall_s == pytest.approx(300.5)
+
+
+def test_archive_bytes_depend_on_the_content_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    a = run_archive.archive_run(make_run(tmp_path / "a" / "r"), tmp_path / "arch_a", DIGEST)
+    monkeypatch.setattr(gzip.time, "time", lambda: 2e9)  # archived at another time
+    b = run_archive.archive_run(make_run(tmp_path / "b" / "r"), tmp_path / "arch_b", DIGEST)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_unfinished_runs_are_not_archived(tmp_path: Path):
+    run = make_run(tmp_path / "r", finished=False)
+    with pytest.raises(ValueError, match="has not finished"):
+        run_archive.archive_run(run, tmp_path / "archive", DIGEST)
+    (run / "steps.jsonl").unlink()
+    with pytest.raises(ValueError, match=r"lacks steps\.jsonl"):
+        run_archive.archive_run(run, tmp_path / "archive", DIGEST)
+    assert run_archive.archive_finished(tmp_path / "archive", [run], DIGEST) == 0
+    assert not (tmp_path / "archive").exists()
+
+
+def test_the_first_archived_run_is_kept(tmp_path: Path):
+    first = make_run(tmp_path / "a" / "r", seed=0)
+    second = make_run(tmp_path / "b" / "r", seed=7)
+    path = run_archive.archive_run(first, tmp_path / "archive", DIGEST)
+    before = path.read_bytes()
+    run_archive.archive_run(second, tmp_path / "archive", DIGEST)
+    assert path.read_bytes() == before
+
+
+def test_restore_replaces_a_partial_run_and_keeps_a_finished_one(tmp_path: Path):
+    archive = tmp_path / "archive"
+    run_archive.archive_run(make_run(tmp_path / "src" / "partial"), archive, DIGEST)
+    run_archive.archive_run(make_run(tmp_path / "src" / "done", seed=1), archive, DIGEST)
+    partial = make_run(tmp_path / "out" / "partial", finished=False)
+    (partial / "consumed.jsonl").write_text('{"step": 1}\n')  # a record of the partial run
+    done = make_run(tmp_path / "out" / "done", seed=5)  # finished here: this one stays
+
+    restored = run_archive.restore_runs(archive, [partial, done, tmp_path / "out" / "new"], DIGEST)
+
+    assert restored == [partial]
+    assert not (partial / "consumed.jsonl").exists()
+    assert run_archive.is_finished(partial)
+    assert json.loads((done / "config.json").read_text())["run"]["seed"] == 5
+
+
+def test_runs_from_another_warm_start_are_refused(tmp_path: Path):
+    run_archive.archive_run(make_run(tmp_path / "src" / "r"), tmp_path / "archive", DIGEST)
+    with pytest.raises(ArchiveMismatchError, match="started from warm start"):
+        run_archive.restore_runs(tmp_path / "archive", [tmp_path / "out" / "r"], "cd" * 32)
+
+
+def make_policy(warm_dir: Path, weights: bytes) -> Path:
+    warm_dir.mkdir(parents=True)
+    (warm_dir / "config.json").write_text('{"run": {}}')
+    (warm_dir / "sft.jsonl").write_text('{"epoch": 1, "loss": 0.4}\n')
+    policy = warm_dir / "checkpoints" / "step_000000" / "hf_policy"
+    policy.mkdir(parents=True)
+    (policy / run_archive.POLICY_WEIGHTS).write_bytes(weights)
+    (policy / "tokenizer.json").write_text("{}")
+    (policy / "config.json").write_text('{"model_type": "llama"}')
+    return policy
+
+
+def test_the_warm_start_round_trips_and_is_checked(tmp_path: Path):
+    archive = tmp_path / "archive"
+    policy = make_policy(tmp_path / "a" / "warm_start", b"\x00weights\x01" * 100)
+    path = run_archive.archive_warm_start(policy.parents[2], policy, archive)
+    assert run_archive.archived_warm_start_digest(archive) == run_archive.policy_digest(policy)
+    before = path.read_bytes()
+    run_archive.archive_warm_start(policy.parents[2], policy, archive)  # archived already
+    assert path.read_bytes() == before
+
+    warm_b = tmp_path / "b" / "warm_start"
+    policy_b = warm_b / "checkpoints" / "step_000000" / "hf_policy"
+    assert run_archive.restore_warm_start(archive, warm_b, policy_b)
+    for name in ("config.json", "tokenizer.json", run_archive.POLICY_WEIGHTS):
+        assert (policy_b / name).read_bytes() == (policy / name).read_bytes()
+    assert (warm_b / "sft.jsonl").read_text() == (policy.parents[2] / "sft.jsonl").read_text()
+    assert not run_archive.restore_warm_start(archive, warm_b, policy_b)  # complete: kept
+
+    # a half-written policy (no config.json) is written again
+    (policy_b / "config.json").unlink()
+    (policy_b / run_archive.POLICY_WEIGHTS).write_bytes(b"torn")
+    assert run_archive.restore_warm_start(archive, warm_b, policy_b)
+    assert run_archive.policy_digest(policy_b) == run_archive.policy_digest(policy)
+
+    other = make_policy(tmp_path / "c" / "warm_start", b"other weights")
+    with pytest.raises(ArchiveMismatchError, match="one grid, one warm start"):
+        run_archive.restore_warm_start(archive, other.parents[2], other)
+    with pytest.raises(ArchiveMismatchError, match="one grid, one warm start"):
+        run_archive.archive_warm_start(other.parents[2], other, archive)
+
+
+def test_no_archive_restores_nothing(tmp_path: Path):
+    assert run_archive.archived_warm_start_digest(tmp_path / "none") is None
+    assert not run_archive.restore_warm_start(tmp_path / "none", tmp_path / "w", tmp_path / "p")
+    assert run_archive.restore_runs(tmp_path / "none", [tmp_path / "r"], None) == []
+
+
+def test_a_damaged_archive_file_is_named(tmp_path: Path):
+    (tmp_path / "r.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match=r"r\.json\.gz is not an archived run"):
+        run_archive.read_archived_run(tmp_path / "r.json.gz")
