@@ -26,7 +26,9 @@ staleness, the share of steps with ``||C|| = 0`` (nothing clipped) and above 1
 
 Outputs (:func:`write_leaderboards`): ``leaderboard.json``, ``leaderboard.md``,
 ``leaderboard_intervals.png``, ``leaderboard_curves.png`` (success, malformed share and KL
-per step, mean and a band of +-1 sd over seeds) and ``leaderboard_bias_norm.png``.
+per step, mean and a band of +-1 sd over seeds) and ``leaderboard_bias_norm.png``. Under
+each leaderboard, its power (:func:`board_power`): the pooled sd over seeds and the
+smallest difference between two cells that 5 and 10 seeds per cell detect.
 """
 
 from __future__ import annotations
@@ -275,6 +277,89 @@ def bias_norm_distributions(runs: Sequence[ArenaRun]) -> list[BiasNormDistributi
     return out
 
 
+@dataclass
+class BoardPower:
+    """What one leaderboard's seeds can tell apart: the pooled within-cell sd of final
+    validation success over its runs that did not collapse, and the smallest difference of
+    two cell means a test detects at that sd (:func:`detectable_difference`) for a few
+    numbers of seeds per cell."""
+
+    staleness: int
+    cells: int
+    runs: int
+    pooled_sd: float
+    detectable: dict[str, float] = field(default_factory=dict)
+    """``str(seeds per cell) -> difference`` (success, 0-1)."""
+
+
+POWER_SEEDS: tuple[int, ...] = (5, 10)
+"""Seeds per cell at which :func:`board_power` states the detectable difference (the
+arena's first stage and its ``more_seeds`` target)."""
+
+
+def detectable_difference(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """Smallest difference of two means of ``n`` runs each, with a common sd ``sd``, that a
+    two-sided level-``alpha`` z-test detects with probability ``power``:
+    ``(z_{1 - alpha/2} + z_{power}) * sd * sqrt(2 / n)``: the normal-approximation sample
+    size of a two-sample test for equality, ``n = 2 (z_{1-alpha/2} + z_power)^2 sd^2 / d^2``
+    (Chow, Shao & Wang, *Sample Size Calculations in Clinical Research*, section 3.2),
+    solved for ``d``. NaN for ``n < 2`` or a NaN ``sd``.
+
+    Raises:
+        ValueError: ``alpha`` or ``power`` outside (0, 1).
+    """
+    from scipy.stats import norm
+
+    if not (0 < alpha < 1 and 0 < power < 1):
+        raise ValueError(f"alpha {alpha} and power {power} must lie in (0, 1)")
+    if n < 2 or math.isnan(sd):
+        return math.nan
+    return float((norm.ppf(1 - alpha / 2) + norm.ppf(power)) * sd * math.sqrt(2 / n))
+
+
+def board_power(runs: Sequence[ArenaRun], seeds: Sequence[int] = POWER_SEEDS) -> list[BoardPower]:
+    """:class:`BoardPower` per staleness over the finished runs that did not collapse,
+    pooling the variance of every cell with at least two of them:
+    ``sum((n_i - 1) s_i^2) / sum(n_i - 1)``. A collapse moves a run by far more than a
+    question; the collapse counts tell those cells apart, this tells the rest."""
+    import statistics
+
+    cells: dict[tuple[str, int], list[float]] = {}
+    for r in runs:
+        if r.finished and r.collapsed is not True and not math.isnan(r.val_success):
+            cells.setdefault((r.method, r.staleness), []).append(r.val_success)
+    out = []
+    for staleness in sorted({s for _, s in cells}):
+        groups = [v for (_, s), v in cells.items() if s == staleness and len(v) >= 2]
+        dof = sum(len(v) - 1 for v in groups)
+        sd = (
+            math.sqrt(sum((len(v) - 1) * statistics.variance(v) for v in groups) / dof)
+            if dof
+            else math.nan
+        )
+        out.append(
+            BoardPower(
+                staleness=staleness,
+                cells=len(groups),
+                runs=sum(len(v) for v in groups),
+                pooled_sd=sd,
+                detectable={str(n): detectable_difference(sd, n) for n in seeds},
+            )
+        )
+    return out
+
+
+def _power_line(power: BoardPower) -> str:
+    if math.isnan(power.pooled_sd):
+        return "Power: fewer than two runs per cell that did not collapse."
+    at = ", ".join(f"{_f(d)} with {n} seeds per cell" for n, d in power.detectable.items())
+    return (
+        f"Power: pooled sd {_f(power.pooled_sd)} of final success over {power.runs} runs in "
+        f"{power.cells} cells (runs that did not collapse); a two-sided 5% test detects a "
+        f"difference of two cell means at 80% power of {at}."
+    )
+
+
 # --------------------------------------------------------------------------- outputs
 
 
@@ -291,10 +376,14 @@ def _pct(v: float) -> str:
 
 
 def leaderboard_markdown(
-    rows: list[LeaderboardRow], norms: list[BiasNormDistribution], baseline: str | None
+    rows: list[LeaderboardRow],
+    norms: list[BiasNormDistribution],
+    baseline: str | None,
+    power: Sequence[BoardPower] = (),
 ) -> str:
-    """One table per staleness (best first; a row in bold overlaps the best's interval),
-    the ``||C|| / tau`` table, and how to read them."""
+    """One table per staleness (best first; a row in bold overlaps the best's interval) with
+    its power line (:func:`board_power`), the ``||C|| / tau`` table, and how to read them."""
+    powers = {p.staleness: p for p in power}
     out = []
     for staleness in sorted({r.staleness for r in rows}):
         out.append(f"### Staleness {staleness}\n")
@@ -317,6 +406,8 @@ def leaderboard_markdown(
                 f"{_f(r.step_time_vs_baseline, 2)} | {_f(r.proximal_error, 4)} |"
             )
         out.append("")
+        if staleness in powers:
+            out.extend([_power_line(powers[staleness]), ""])
     out.append(f"### ||C|| / tau per step (tau = {DEFAULT_TAU})\n")
     out.append(
         "| method | staleness | steps | ||C|| = 0 | > 1 (s < 1) | median | p90 | p99 | max |"
@@ -486,9 +577,10 @@ def write_leaderboards(
     finished = [r for r in runs if r.finished]
     rows = leaderboard(finished, baseline)
     norms = bias_norm_distributions(finished)
+    power = board_power(finished)
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "leaderboard.md"
-    md.write_text(leaderboard_markdown(rows, norms, baseline))
+    md.write_text(leaderboard_markdown(rows, norms, baseline, power))
     payload = {
         **(extra or {}),
         "baseline": baseline,
@@ -496,6 +588,7 @@ def write_leaderboards(
         "runs_wall_s": sum(r.wall_s for r in finished if not math.isnan(r.wall_s)),
         "rows": [asdict(r) for r in rows],
         "bias_norm_over_tau": [asdict(n) for n in norms],
+        "power": [asdict(p) for p in power],
     }
     (out_dir / "leaderboard.json").write_text(json.dumps(_json_safe(payload), indent=1) + "\n")
     if finished:

@@ -11,6 +11,8 @@ import pytest
 
 from services.arena import (
     bias_norm_distributions,
+    board_power,
+    detectable_difference,
     leaderboard,
     read_run,
     write_leaderboards,
@@ -75,6 +77,34 @@ def test_bias_norm_distribution_counts_zero_and_triggering_steps(tmp_path: Path)
     assert dist.quantiles["0.5"] == pytest.approx(0.25)  # between 0 and 0.5
 
 
+def test_detectable_difference_solves_the_two_sample_size_formula():
+    # n = 2 (z_.975 + z_.8)^2 sd^2 / d^2 with z_.975 = 1.959964, z_.8 = 0.841621:
+    # sd 0.012, n = 10 -> d = 2.801585 * 0.012 * sqrt(0.2) = 0.0150349
+    assert detectable_difference(0.012, 10) == pytest.approx(0.0150349, rel=1e-5)
+    # and back: that d needs 10 seeds per cell
+    d = detectable_difference(0.03, 6)
+    assert 2 * (1.959964 + 0.841621) ** 2 * 0.03**2 / d**2 == pytest.approx(6, rel=1e-5)
+    # a one-sided-looking alpha and a higher power move it the right way
+    assert detectable_difference(0.012, 10, power=0.9) > detectable_difference(0.012, 10)
+    assert math.isnan(detectable_difference(0.012, 1))
+    with pytest.raises(ValueError, match="must lie in"):
+        detectable_difference(0.012, 10, alpha=0.0)
+
+
+def test_board_power_pools_cells_and_leaves_out_collapsed_runs(tmp_path: Path):
+    runs = [read_run(write_run(tmp_path, m, 4, s, v), RULE)
+            for m, vals in (("a", (0.2, 0.4)), ("b", (0.5, 0.6, 0.7)), ("c", (0.3,)))
+            for s, v in enumerate(vals)]  # fmt: skip
+    collapsed = read_run(write_run(tmp_path, "b", 4, 9, 0.0), RULE)
+    collapsed.collapsed = True
+    (power,) = board_power([*runs, collapsed])
+    # a: var 0.02 (1 dof); b: var 0.01 (2 dof); c: one run, left out; b's collapse left out
+    # pooled var = (0.02 + 2 * 0.01) / 3
+    assert (power.cells, power.runs) == (2, 5)
+    assert power.pooled_sd == pytest.approx(math.sqrt(0.04 / 3))
+    assert power.detectable["5"] == pytest.approx(detectable_difference(power.pooled_sd, 5))
+
+
 def test_write_leaderboards_writes_tables_and_figures(tmp_path: Path):
     dirs = [write_run(tmp_path / "runs", m, 4, s, 0.3 + 0.1 * s, clip_bias_norm=0.001)
             for m in ("a", "b") for s in range(2)]  # fmt: skip
@@ -83,6 +113,10 @@ def test_write_leaderboards_writes_tables_and_figures(tmp_path: Path):
     assert "### Staleness 4" in text and "| **a** | 2 |" in text
     data = json.loads((tmp_path / "out" / "leaderboard.json").read_text())
     assert data["x"] == 1 and len(data["rows"]) == 2 and data["unfinished_runs"] == 0
+    # seeds 0.3 and 0.4 in both cells: pooled sd 0.0707, d(5) = 2.8016 * 0.0707 * sqrt(0.4)
+    assert "Power: pooled sd 0.071 of final success over 4 runs in 2 cells" in text
+    assert "of 0.125 with 5 seeds per cell, 0.089 with 10 seeds per cell." in text
+    assert data["power"][0]["detectable"]["10"] == pytest.approx(0.0886, abs=1e-4)
     for name in ("intervals", "curves", "bias_norm"):
         assert (tmp_path / "out" / f"leaderboard_{name}.png").stat().st_size > 0
 
