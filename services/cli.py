@@ -376,6 +376,13 @@ def experiment(
             "to narrow further, e.g. --only method=ppo --only seed=0.",
         ),
     ] = None,
+    archive: Annotated[
+        bool,
+        typer.Option(
+            help="Restore and keep finished runs in the grid's archive_dir (committed with "
+            "the source); --no-archive: this output directory alone.",
+        ),
+    ] = True,
     config: ConfigArgs = None,
 ) -> None:
     """Run a named grid of training runs, then write a summary table and overlaid curves.
@@ -407,6 +414,11 @@ def experiment(
         typer.echo(f"{warm.config.run_dir}: shared warm start (SFT once, 0 learner steps)")
     for run in planned:
         typer.echo(f"{run.config.run_dir}: {run.grid_values} seed={run.seed}")
+    if spec.archive_dir is not None and archive:
+        from services.run_archive import run_archive_path
+
+        kept = sum(run_archive_path(spec.archive_dir, r.name).exists() for r in planned)
+        typer.echo(f"archive {spec.archive_dir}: {kept} of these {len(planned)} runs archived")
     if dry_run:
         return
     from services.env import configure_local_caches
@@ -415,7 +427,9 @@ def experiment(
     from services.experiment import run_experiment, summarize_experiment
 
     if summary_only:
-        result = summarize_experiment(name, output_dir, overrides, max_run_s=max_run_s)
+        result = summarize_experiment(
+            name, output_dir, overrides, max_run_s=max_run_s, use_archive=archive
+        )
     else:
         result = run_experiment(
             name,
@@ -424,6 +438,7 @@ def experiment(
             skip_finished=not rerun,
             max_run_s=max_run_s,
             only=selection,
+            use_archive=archive,
         )
     typer.echo(result.summary_md.read_text())
     typer.echo(f"wrote {result.summary_json}, {result.summary_md}, {result.figure}")

@@ -700,6 +700,7 @@ def run_experiment(
     skip_finished: bool = True,
     max_run_s: float | None = None,
     only: dict[str, list[Any]] | None = None,
+    use_archive: bool = True,
 ) -> ExperimentResult:
     """Run every planned run of experiment ``name`` in turn, then summarise and plot.
 
@@ -707,7 +708,10 @@ def run_experiment(
     run again when ``skip_finished`` (so an interrupted grid continues where it stopped).
     ``max_run_s`` replaces the spec's :attr:`ExperimentSpec.max_run_s` when given. ``only``
     (:func:`parse_only`) runs the matching planned runs alone; the summary covers every run
-    started so far.
+    started so far. With the spec's :attr:`ExperimentSpec.archive_dir` (and ``use_archive``)
+    the archived runs are restored first and every run is archived as it finishes; an
+    archived run is never replaced, so ``skip_finished=False`` reruns archived runs without
+    archiving the reruns (pass ``use_archive=False`` for a grid of one's own).
 
     Raises:
         ConfigError: unknown experiment or invalid config.
@@ -716,7 +720,7 @@ def run_experiment(
     cap_s = spec.max_run_s if max_run_s is None else max_run_s
     warm = plan_warm_start(spec, name, output_dir, extra_overrides)
     start = time.perf_counter()
-    archive = _Archive(spec, name, output_dir, warm) if spec.archive_dir else None
+    archive = _Archive(spec, name, output_dir, warm) if spec.archive_dir and use_archive else None
     if warm is not None:
         if archive is not None:
             archive.restore_warm_start()
@@ -789,10 +793,12 @@ def summarize_experiment(
     extra_overrides: list[str] | None = None,
     experiments_dir: Path = EXPERIMENTS_DIR,
     max_run_s: float | None = None,
+    use_archive: bool = True,
 ) -> ExperimentResult:
     """Write ``summary.json``, ``summary.md`` and ``curves.png`` of experiment ``name`` from
     the run directories as they are now (runs not started yet are left out; a run in
-    progress is summarised up to its last logged step).
+    progress is summarised up to its last logged step), after restoring the archived runs
+    (:attr:`ExperimentSpec.archive_dir`, unless ``use_archive`` is False).
 
     Raises:
         ConfigError: unknown experiment or invalid config.
@@ -802,7 +808,7 @@ def summarize_experiment(
     spec = load_experiment(experiment_path(name, experiments_dir))
     warm = plan_warm_start(spec, name, output_dir, extra_overrides)
     planned = plan_runs(spec, name, output_dir, extra_overrides)
-    if spec.archive_dir:
+    if spec.archive_dir and use_archive:
         archive = _Archive(spec, name, output_dir, warm)
         archive.restore_warm_start()
         archive.sync(planned)

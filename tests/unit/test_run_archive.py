@@ -26,7 +26,7 @@ def make_run(run_dir: Path, finished: bool = True, seed: int = 0) -> Path:
               "algorithm": {"variant": "ppo"}}  # fmt: skip
     (run_dir / "config.json").write_text(json.dumps(config))
     (run_dir / "run.json").write_text(json.dumps({"run_id": "r1", "attempts": []}))
-    steps = [{"run_id": "r1", "step": i, "success_rate": 0.1 * i, "step_s": 1.0 + i}
+    steps = [{"run_id": "r1", "step": i, "variant": "ppo", "success_rate": 0.1 * i, "step_s": 1.0 + i}
              for i in (1, 2)]  # fmt: skip
     (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     evals = [{"run_id": "r1", "tag": "start", "success_rate": 0.2}]
@@ -158,3 +158,43 @@ def test_a_damaged_archive_file_is_named(tmp_path: Path):
     (tmp_path / "r.json.gz").write_bytes(b"not gzip")
     with pytest.raises(ValueError, match=r"r\.json\.gz is not an archived run"):
         run_archive.read_archived_run(tmp_path / "r.json.gz")
+
+
+def test_dry_run_counts_the_archived_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    monkeypatch.chdir(tmp_path)  # the arena's archive_dir is relative to the working dir
+    archive = tmp_path / "docs" / "results" / "arena_runs"
+    name = "method-gspo_max_staleness-4_seed-0"
+    run_archive.archive_run(make_run(tmp_path / "runs" / name), archive, DIGEST)
+    result = CliRunner().invoke(app, ["experiment", "arena", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "archive docs/results/arena_runs: 1 of these 160 runs archived" in result.output
+    result = CliRunner().invoke(app, ["experiment", "arena", "--dry-run", "--no-archive"])
+    assert result.exit_code == 0 and "archive " not in result.output
+
+
+def test_summary_restores_archived_runs_unless_told_not_to(tmp_path: Path):
+    from tiny_experiment import write_experiment
+
+    from services.experiment import summarize_experiment
+
+    experiments = tmp_path / "experiments"
+    write_experiment(
+        experiments,
+        "tiny",
+        {"seeds": [0], "num_steps": 2, "archive_dir": str(tmp_path / "archive")},
+        {"grid": {"method": ["a"], "buffer.max_staleness": [4]},
+         "methods.a": {"algorithm.variant": "ppo"}},
+    )  # fmt: skip
+    name = "method-a_max_staleness-4_seed-0"
+    run_archive.archive_run(make_run(tmp_path / "elsewhere" / name), tmp_path / "archive", None)
+
+    alone = summarize_experiment("tiny", tmp_path / "out", experiments_dir=experiments,
+                                 use_archive=False)  # fmt: skip
+    assert alone.summaries == [] and not (tmp_path / "out" / "tiny" / name).exists()
+    restored = summarize_experiment("tiny", tmp_path / "out", experiments_dir=experiments)
+    [row] = restored.summaries
+    assert (row.run, row.val_success_final, row.num_steps) == (name, 0.3, 2)
