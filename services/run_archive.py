@@ -6,8 +6,9 @@ not survive a new machine; a commit does). With :attr:`services.experiment.Exper
 set, every run of the grid is written, once it has finished, into that directory as one
 gzipped JSON file, ``<run name>.json.gz``: the records every summary reads
 (:data:`RUN_FILES`), the modification times of the two files that date the run (its wall
-time), the machine it ran on and the digest of the warm start it started from. The shared
-warm start itself (its policy and its SFT record) is kept once, as ``warm_start.tar.gz``.
+time), the machine and source commit it ran on and the digest of the warm start it started
+from. The shared warm start itself (its policy and its SFT record) is kept once, as
+``warm_start.tar.gz``.
 
 At the start of the grid :func:`restore_warm_start` and :func:`restore_runs` write them back
 under the grid's output directory, where the grid's resume finds them finished and skips
@@ -56,8 +57,28 @@ class ArchiveMismatchError(RuntimeError):
     """The archive and the run directories hold runs from different warm starts."""
 
 
+def _source_commit() -> str:
+    """The git commit of the code that ran (``unknown`` outside a git checkout); a ``+``
+    suffix when the checkout had uncommitted changes to tracked files."""
+    import subprocess
+
+    from services.env import PROJECT_ROOT
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(PROJECT_ROOT), *args], capture_output=True,
+                              text=True, timeout=30, check=True)  # fmt: skip
+        return done.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        return commit + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def _machine() -> dict[str, str]:
-    """The CPU model, Python and torch versions of this machine (provenance only)."""
+    """The CPU model, Python and torch versions of this machine, and the source commit
+    (provenance only)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -72,7 +93,8 @@ def _machine() -> dict[str, str]:
         torch_version = torch.__version__
     except ImportError:
         torch_version = "none"
-    return {"cpu": cpu, "python": platform.python_version(), "torch": torch_version}
+    return {"cpu": cpu, "python": platform.python_version(), "torch": torch_version,
+            "commit": _source_commit()}  # fmt: skip
 
 
 def _gzip(data: bytes) -> bytes:

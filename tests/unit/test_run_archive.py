@@ -44,6 +44,7 @@ def test_a_restored_run_equals_the_original(tmp_path: Path):
     assert path == tmp_path / "archive" / "method-ppo_tis_seed-0.json.gz"
     record = run_archive.read_archived_run(path)
     assert record["warm_start_sha256"] == DIGEST and record["machine"]["cpu"]
+    assert len(record["machine"]["commit"].rstrip("+")) == 40  # this checkout's HEAD
 
     [restored] = run_archive.restore_runs(
         tmp_path / "archive", [tmp_path / "there" / run.name], DIGEST
