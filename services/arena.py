@@ -7,7 +7,12 @@ every (method, staleness) cell, over its seeds (:class:`LeaderboardRow`):
 
 - final greedy validation success: IQM with a 95% percentile-bootstrap interval (scipy);
 - gain over the start (the same questions before RL), mean with a bootstrap interval;
-- collapse rate (:func:`services.collapse.run_collapsed`) with a Wilson interval;
+- collapse rate (:func:`services.collapse.run_collapsed`) with a Wilson interval, and the
+  share of runs that *ended low*: final success more than :data:`LOW_MARGIN` below the
+  median of the on-policy reference's runs, with a Wilson interval. On the synthetic task a
+  run that loses the task usually does so late, after the collapse rule's window, and the
+  runs that keep it end within a question or two of each other at the task's ceiling: how
+  often a method ends low is what separates methods there;
 - probability of improvement over the baseline method at the same staleness (ties half),
   with a stratified-bootstrap interval, and the mean difference to the on-policy reference;
 - what each mechanism did: the share of policy tokens clipped (PPO clip and dual clip;
@@ -55,6 +60,11 @@ from services.stability import (
     probability_of_improvement,
     wilson_ci,
 )
+
+LOW_MARGIN = 0.05
+"""How far below the on-policy reference's median final success a run ends to count as
+*ended low* (0.05: about six questions of 128; the on-policy runs of the arena spread over
+three, 0.273-0.297)."""
 
 DEFAULT_TAU = 0.01
 """The default ``algorithm.tau`` (:data:`learner.losses.DEFAULT_TAU`, mirrored: no torch)."""
@@ -156,6 +166,11 @@ class LeaderboardRow:
     collapsed: int
     judged: int
     collapse_ci: tuple[float, float]
+    ended_low: int
+    """Runs whose final success ended more than :data:`LOW_MARGIN` below the on-policy
+    median (of :attr:`runs`; 0 with no on-policy reference, see :attr:`ended_low_ci`)."""
+    ended_low_ci: tuple[float, float]
+    """Wilson interval of ``ended_low / runs``; NaN without an on-policy reference."""
     poi_vs_baseline: float
     poi_vs_baseline_ci: tuple[float, float]
     vs_on_policy: float
@@ -180,6 +195,16 @@ class BiasNormDistribution:
     quantiles: dict[str, float] = field(default_factory=dict)
 
 
+def low_threshold(runs: Sequence[ArenaRun], on_policy_staleness: int = 0) -> float:
+    """The final success below which a run *ended low*: the median of the finished
+    on-policy runs' final success minus :data:`LOW_MARGIN`; NaN without on-policy runs."""
+    import statistics
+
+    on_policy = [r.val_success for r in runs
+                 if r.staleness == on_policy_staleness and not math.isnan(r.val_success)]  # fmt: skip
+    return statistics.median(on_policy) - LOW_MARGIN if on_policy else math.nan
+
+
 def leaderboard(
     runs: Sequence[ArenaRun], baseline: str | None, on_policy_staleness: int = 0
 ) -> list[LeaderboardRow]:
@@ -191,6 +216,7 @@ def leaderboard(
         cells.setdefault((r.method, r.staleness), []).append(r)
     on_policy = [r.val_success for (m, s), rs in cells.items() if s == on_policy_staleness
                  for r in rs]  # fmt: skip
+    low = low_threshold(runs, on_policy_staleness)
     rows = []
     for (method, staleness), rs in cells.items():
         val = [r.val_success for r in rs]
@@ -216,6 +242,10 @@ def leaderboard(
                 collapsed=sum(bool(c) for c in judged),
                 judged=len(judged),
                 collapse_ci=wilson_ci(sum(bool(c) for c in judged), len(judged)),
+                ended_low=sum(v < low for v in val),
+                ended_low_ci=wilson_ci(sum(v < low for v in val), len(val))
+                if not math.isnan(low)
+                else (math.nan, math.nan),
                 poi_vs_baseline=probability_of_improvement(val, base_val) if compare else math.nan,
                 poi_vs_baseline_ci=poi_ci(val, base_val) if compare else (math.nan, math.nan),
                 vs_on_policy=mean_difference(val, on_policy) if stale else math.nan,
@@ -318,15 +348,19 @@ def detectable_difference(sd: float, n: int, alpha: float = 0.05, power: float =
 
 
 def board_power(runs: Sequence[ArenaRun], seeds: Sequence[int] = POWER_SEEDS) -> list[BoardPower]:
-    """:class:`BoardPower` per staleness over the finished runs that did not collapse,
-    pooling the variance of every cell with at least two of them:
-    ``sum((n_i - 1) s_i^2) / sum(n_i - 1)``. A collapse moves a run by far more than a
-    question; the collapse counts tell those cells apart, this tells the rest."""
+    """:class:`BoardPower` per staleness over the finished runs that neither collapsed nor
+    ended low (:func:`low_threshold`), pooling the variance of every cell with at least two
+    of them: ``sum((n_i - 1) s_i^2) / sum(n_i - 1)``. A run that loses the task moves by far
+    more than a question; the collapse and ended-low counts tell those cells apart, this
+    tells the rest."""
     import statistics
 
+    low = low_threshold(runs)
     cells: dict[tuple[str, int], list[float]] = {}
     for r in runs:
-        if r.finished and r.collapsed is not True and not math.isnan(r.val_success):
+        if not r.finished or r.collapsed is True or math.isnan(r.val_success):
+            continue
+        if r.val_success >= low or math.isnan(low):
             cells.setdefault((r.method, r.staleness), []).append(r.val_success)
     out = []
     for staleness in sorted({s for _, s in cells}):
@@ -351,12 +385,12 @@ def board_power(runs: Sequence[ArenaRun], seeds: Sequence[int] = POWER_SEEDS) ->
 
 def _power_line(power: BoardPower) -> str:
     if math.isnan(power.pooled_sd):
-        return "Power: fewer than two runs per cell that did not collapse."
+        return "Power: no cell has two runs that neither collapsed nor ended low."
     at = ", ".join(f"{_f(d)} with {n} seeds per cell" for n, d in power.detectable.items())
     return (
         f"Power: pooled sd {_f(power.pooled_sd)} of final success over {power.runs} runs in "
-        f"{power.cells} cells (runs that did not collapse); a two-sided 5% test detects a "
-        f"difference of two cell means at 80% power of {at}."
+        f"{power.cells} cells (runs that neither collapsed nor ended low); a two-sided 5% "
+        f"test detects a difference of two cell means at 80% power of {at}."
     )
 
 
@@ -375,6 +409,12 @@ def _pct(v: float) -> str:
     return "-" if math.isnan(v) else f"{100 * v:.2f}%"
 
 
+def _ended_low(row: LeaderboardRow) -> str:
+    if math.isnan(row.ended_low_ci[0]):
+        return "-"
+    return f"{row.ended_low}/{row.runs}{_ci(row.ended_low_ci)}"
+
+
 def leaderboard_markdown(
     rows: list[LeaderboardRow],
     norms: list[BiasNormDistribution],
@@ -389,17 +429,18 @@ def leaderboard_markdown(
         out.append(f"### Staleness {staleness}\n")
         out.append(
             "| method | runs | val success IQM [95% CI] | gain over start | collapsed "
-            "[Wilson] | P(improve over baseline) | vs on-policy | "
+            "[Wilson] | ended low [Wilson] | P(improve over baseline) | vs on-policy | "
             + " | ".join(label for _, label in SHARES)
             + " | s min (steps < 1) | step time vs baseline | proximal approx error |"
         )
-        out.append("|---|---:|---|---|---|---|---|" + "---:|" * len(SHARES) + "---|---:|---:|")
+        out.append("|---|---:|---|---|---|---|---|---|" + "---:|" * len(SHARES) + "---|---:|---:|")
         for r in (r for r in rows if r.staleness == staleness):
             name = f"**{r.method}**" if r.overlaps_best else r.method
             out.append(
                 f"| {name} | {r.runs} | {_f(r.val_success_iqm)}{_ci(r.val_success_iqm_ci)} | "
                 f"{_f(r.gain_mean)}{_ci(r.gain_ci)} | {r.collapsed}/{r.judged}"
-                f"{_ci(r.collapse_ci)} | {_f(r.poi_vs_baseline, 2)}{_ci(r.poi_vs_baseline_ci)} | "
+                f"{_ci(r.collapse_ci)} | {_ended_low(r)} | "
+                f"{_f(r.poi_vs_baseline, 2)}{_ci(r.poi_vs_baseline_ci)} | "
                 f"{_f(r.vs_on_policy)}{_ci(r.vs_on_policy_ci)} | "
                 + " | ".join(_pct(r.shares[key]) for key, _ in SHARES)
                 + f" | {_f(r.scale_min)} ({_pct(r.scale_steps_below_one)}) | "
@@ -426,7 +467,9 @@ def leaderboard_markdown(
         "(mean of the middle 50% of seeds) with a 95% percentile-bootstrap interval over "
         "seeds; bold rows overlap the best row's interval. Gain: end minus start of the same "
         "evaluation, mean and bootstrap interval. Collapsed: the experiment's collapse rule, "
-        "Wilson interval. P(improve over baseline): probability that a run of the row ends "
+        f"Wilson interval. Ended low: final success more than {LOW_MARGIN} below the median "
+        "of the on-policy runs, Wilson interval. P(improve over baseline): probability that "
+        "a run of the row ends "
         f"above a run of `{baseline}` at the same staleness (ties count half), stratified "
         "bootstrap. Vs on-policy: mean difference to the staleness-0 runs. Token shares: "
         "mean over steps and seeds of the share of policy tokens each mechanism acted on "

@@ -44,7 +44,7 @@ def test_leaderboard_ranks_compares_and_counts(tmp_path: Path):
         dirs.append(write_run(tmp_path, "base", 4, seed, b, clip_ratio=0.01, step_s=2.0))
         dirs.append(write_run(tmp_path, "good", 4, seed, a, clip_ratio=0.03, step_s=3.0,
                               behavior_masked=0.1))  # fmt: skip
-    dirs.append(write_run(tmp_path, "base", 0, 0, 0.65))
+    dirs += [write_run(tmp_path, "base", 0, seed, v) for seed, v in enumerate((0.5, 0.7, 0.71))]
     runs = [read_run(d, RULE) for d in dirs]
     rows = leaderboard(runs, baseline="base")
     board = [r for r in rows if r.staleness == 4]
@@ -59,9 +59,13 @@ def test_leaderboard_ranks_compares_and_counts(tmp_path: Path):
     assert good.shares["clip_ratio"] == pytest.approx(0.03)
     assert good.shares["behavior_masked"] == pytest.approx(0.1)
     assert math.isnan(good.shares["m2po_masked"])  # never logged
-    # vs on-policy: 0.6 - 0.65
-    assert good.vs_on_policy == pytest.approx(-0.05)
+    # vs on-policy: 0.6 - mean(0.5, 0.7, 0.71)
+    assert good.vs_on_policy == pytest.approx(0.6 - 0.6366667)
     assert good.overlaps_best and not board[1].overlaps_best  # [.5, .7] vs [.2, .4]
+    # ended low: below the on-policy median 0.70 - 0.05 = 0.65 (not the mean's 0.587):
+    # good's 0.5 and 0.6, every base run
+    assert (good.ended_low, board[1].ended_low) == (2, 3)
+    assert good.ended_low_ci == pytest.approx((0.2077, 0.9385), abs=1e-4)  # Wilson, 2 of 3
     assert math.isnan(board[1].poi_vs_baseline)  # the baseline is not compared with itself
 
 
@@ -103,6 +107,12 @@ def test_board_power_pools_cells_and_leaves_out_collapsed_runs(tmp_path: Path):
     assert (power.cells, power.runs) == (2, 5)
     assert power.pooled_sd == pytest.approx(math.sqrt(0.04 / 3))
     assert power.detectable["5"] == pytest.approx(detectable_difference(power.pooled_sd, 5))
+    # with an on-policy reference at 0.45 (threshold 0.40) a's 0.2 ended low: a keeps one run
+    # and drops out; b alone: var 0.01 over 2 dof
+    on_policy = read_run(write_run(tmp_path, "a", 0, 0, 0.45), RULE)
+    _, stale = board_power([*runs, collapsed, on_policy])  # staleness 0, then 4
+    assert (stale.cells, stale.runs) == (1, 3)
+    assert stale.pooled_sd == pytest.approx(0.1)
 
 
 def test_write_leaderboards_writes_tables_and_figures(tmp_path: Path):
