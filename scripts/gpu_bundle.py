@@ -31,7 +31,8 @@ version, into ``--target`` (put it first on ``PYTHONPATH``) with ``pip install -
 The job's wheels (Ray, the retrieval server's FastAPI stack, the CLI's typer and rich: what
 the driver imports beyond the learner path, :func:`job_closure`) are ~100 MiB, more than one
 command carries (64 MiB). ``prepare --job`` also writes them as a tar in parts of at most
-``--part-mib`` (default 48) with a manifest of sha256 sums, ``.gpu-bundle/job-parts/``; each
+``--part-mib`` (default: what one command has left, :func:`default_part_mib`) with a
+manifest of sha256 sums, ``.gpu-bundle/job-parts/``; each
 part goes up with one command while the machine stays warm (into the same ignored folder), and
 there::
 
@@ -104,9 +105,56 @@ server (FastAPI, uvicorn, BM25), the driver's HTTP client and metrics, the CLI."
 MACHINE_ROOTS = ("torch", "transformers")
 """What the GPU machine's Python has, with everything they require."""
 
-PART_MIB = 48
-"""Default size of a job part: with the checkout (~3 MiB) and the learner bundle (~8 MiB)
-well within one command's 64 MiB."""
+CARRY_MIB = 64
+"""What one command to the GPU machine carries: the checkout's files, the learner bundle and
+one job part."""
+
+CARRY_MARGIN_MIB = 2
+"""Room left in every carry (file-system rounding, a file added after ``prepare``)."""
+
+MIN_PART_MIB = 8
+"""Smaller job parts would take more commands than a 15-minute window has."""
+
+
+def checkout_bytes(root: Path, exclude: Path) -> int:
+    """Bytes of the files a command carries from the checkout at ``root``: what git tracks
+    or would track (``git ls-files --cached --others --exclude-standard``); outside a git
+    checkout, every file under ``root``. Files under ``exclude`` (the bundle) are left out."""
+    exclude = exclude.resolve()
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            capture_output=True, check=True, timeout=60,
+        ).stdout.decode()  # fmt: skip
+        files = [root / name for name in out.split("\0") if name]
+    except (OSError, subprocess.CalledProcessError):
+        files = [f for f in root.rglob("*") if f.is_file()]
+    return sum(
+        f.stat().st_size
+        for f in files
+        if f.is_file() and not f.is_symlink() and not f.resolve().is_relative_to(exclude)
+    )
+
+
+def default_part_mib(root: Path, bundle: Path) -> int:
+    """The largest job part that one command carries beside the checkout at ``root`` and the
+    learner bundle (``bundle`` without ``job-parts/``): :data:`CARRY_MIB` minus both minus
+    :data:`CARRY_MARGIN_MIB`, in whole MiB.
+
+    Raises:
+        RuntimeError: less than :data:`MIN_PART_MIB` would be left.
+    """
+    learner = sum(f.stat().st_size for f in bundle.rglob("*")
+                  if f.is_file() and "job-parts" not in f.relative_to(bundle).parts)  # fmt: skip
+    used = checkout_bytes(root, bundle) + learner
+    part = int((CARRY_MIB - CARRY_MARGIN_MIB) - used / MIB)
+    if part < MIN_PART_MIB:
+        raise RuntimeError(
+            f"the checkout and the learner bundle take {used / MIB:.1f} MiB of a command's "
+            f"{CARRY_MIB}: less than {MIN_PART_MIB} MiB left for a job part"
+        )
+    return part
+
 
 JOB_TAR = "job-wheels"
 """Stem of the job's tar, its parts (``job-wheels.tar.part-000``...) and manifest."""
@@ -209,14 +257,21 @@ def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def prepare_job(out: Path, python_version: str, from_installed: bool, part_mib: int) -> Path:
-    """The job's wheels (:func:`job_closure`) as parts under ``out/job-parts``; returns the
-    manifest's path.
+def prepare_job(
+    out: Path, python_version: str, from_installed: bool, part_mib: int | None = None
+) -> Path:
+    """The job's wheels (:func:`job_closure`) as parts under ``out/job-parts``, each at most
+    ``part_mib`` MiB (None: :func:`default_part_mib` for the checkout in the working
+    directory); returns the manifest's path.
 
     Raises:
         subprocess.CalledProcessError: pip failed.
-        RuntimeError: the wheel folder does not hold one wheel per distribution.
+        RuntimeError: the wheel folder does not hold one wheel per distribution, or no room
+            is left for a part.
     """
+    if part_mib is None:
+        shutil.rmtree(out / "job-parts", ignore_errors=True)  # not counted: replaced below
+        part_mib = default_part_mib(Path.cwd(), out)
     pins = job_closure(python_version)
     with tempfile.TemporaryDirectory() as tmp:
         wheels = Path(tmp)
@@ -466,7 +521,13 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument(
         "--job", action="store_true", help="also the job's wheels, in parts (job-parts/)"
     )
-    prep.add_argument("--part-mib", type=int, default=PART_MIB, help="largest job part")
+    prep.add_argument(
+        "--part-mib",
+        type=int,
+        default=None,
+        help=f"largest job part (default: {CARRY_MIB} MiB less the checkout and the learner "
+        "bundle, which every command carries too)",
+    )
     inst = sub.add_parser("install", help="install what is missing, there (no index)")
     inst.add_argument("--bundle", type=Path, default=Path(".gpu-bundle"))
     inst.add_argument("--target", type=Path, default=Path(".cache/gpu-site"))

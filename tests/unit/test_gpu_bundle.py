@@ -104,3 +104,19 @@ def test_job_closure_is_what_the_machine_lacks():
     assert {"ray", "fastapi", "uvicorn", "bm25s", "msgpack"} <= set(job)
     assert not {"torch", "transformers", "numpy", "deepspeed", "pydantic"} & set(job)
     assert job["ray"] == "2.60.0"
+
+
+def test_default_part_leaves_room_for_the_checkout_and_the_learner_bundle(tmp_path: Path):
+    root = tmp_path / "checkout"  # not a git checkout: every file under it is carried
+    (root / "code").mkdir(parents=True)
+    (root / "code" / "big.bin").write_bytes(b"\0" * (10 * gpu_bundle.MIB))
+    bundle = root / ".gpu-bundle"
+    (bundle / "wheels").mkdir(parents=True)
+    (bundle / "wheels" / "w.whl").write_bytes(b"\0" * (5 * gpu_bundle.MIB + 1))
+    (bundle / "job-parts").mkdir()
+    (bundle / "job-parts" / "old.part-000").write_bytes(b"\0" * gpu_bundle.MIB)  # not counted
+    # 64 - 2 margin - (10 + 5.000001) MiB = 46.99... -> 46
+    assert gpu_bundle.default_part_mib(root, bundle) == 46
+    (root / "code" / "big.bin").write_bytes(b"\0" * (50 * gpu_bundle.MIB))
+    with pytest.raises(RuntimeError, match=r"take 55\.0 MiB of a command's 64"):
+        gpu_bundle.default_part_mib(root, bundle)
