@@ -144,8 +144,7 @@ def default_part_mib(root: Path, bundle: Path) -> int:
     Raises:
         RuntimeError: less than :data:`MIN_PART_MIB` would be left.
     """
-    learner = sum(f.stat().st_size for f in bundle.rglob("*")
-                  if f.is_file() and "job-parts" not in f.relative_to(bundle).parts)  # fmt: skip
+    learner = tree_bytes(bundle) - tree_bytes(bundle / "job-parts")
     used = checkout_bytes(root, bundle) + learner
     part = int((CARRY_MIB - CARRY_MARGIN_MIB) - used / MIB)
     if part < MIN_PART_MIB:

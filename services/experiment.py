@@ -33,6 +33,7 @@ from pydantic import Field, field_validator, model_validator
 from learner.config import StrictModel
 from services.collapse import CollapseRule, run_collapsed
 from services.config import ConfigError, RunConfig, _format_validation_error, load_config, read_toml
+from services.run_records import clear_run_records
 from services.stability import write_cells
 
 SOURCE_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "deploy" / "configs"
@@ -759,7 +760,7 @@ def _unfinished(
             print(f"{label}: finished before, skipped")
             continue
         if run_dir.exists():
-            _clear_partial_run(run_dir)
+            clear_run_records(run_dir)
         todo.append((label, run))
     return todo
 
@@ -857,6 +858,7 @@ class _Archive:
         self.dir = spec.archive_dir
         self.warm = warm
         self.policy_dir = warm_start_policy_dir(spec, name, output_dir) if warm else None
+        self._sha256: str | None = None  # of the local warm start, once it is archived
 
     def restore_warm_start(self) -> None:
         """Write the archived warm start back unless this machine has it (it then skips
@@ -870,15 +872,19 @@ class _Archive:
 
     def _digest(self) -> str | None:
         """The grid's warm start digest, archiving the warm start first if it is new (the
-        archived one's while this machine has none; None without a shared warm start)."""
+        archived one's while this machine has none; None without a shared warm start).
+        Computed once the local warm start exists: it does not change within a grid."""
         from services import run_archive
 
         if self.warm is None or self.policy_dir is None:
             return None
+        if self._sha256 is not None:
+            return self._sha256
         if not (self.policy_dir / "config.json").exists():
             return run_archive.archived_warm_start_digest(self.dir)
         run_archive.archive_warm_start(self.warm.config.run_dir, self.policy_dir, self.dir)
-        return run_archive.policy_digest(self.policy_dir)
+        self._sha256 = run_archive.policy_digest(self.policy_dir)
+        return self._sha256
 
     def sync(self, planned: list[PlannedRun]) -> None:
         """Archive the planned runs finished here and not archived yet, then restore the
@@ -1001,7 +1007,7 @@ def _run_warm_start(warm: PlannedRun, policy_dir: Path, skip_finished: bool) -> 
         print(f"[experiment] shared warm start exported before: {policy_dir}")
         return
     if warm.config.run_dir.exists():
-        _clear_partial_run(warm.config.run_dir)
+        clear_run_records(warm.config.run_dir)
     print(f"[experiment] shared warm start -> {policy_dir}")
     try:
         run_training(warm.config)
@@ -1009,21 +1015,6 @@ def _run_warm_start(warm: PlannedRun, policy_dir: Path, skip_finished: bool) -> 
         _detach_run_log(warm.config.run_dir)
     if not (policy_dir / "config.json").exists():
         raise RuntimeError(f"the warm start did not export its policy to {policy_dir}")
-
-
-def _clear_partial_run(run_dir: Path) -> None:
-    """Remove the records of an unfinished run (every ``*.jsonl``, its lineage, superseded
-    records, checkpoints, ``console.log``) so the rerun starts a new run in it."""
-    import shutil
-
-    from services.run_records import LINEAGE_FILE, SUPERSEDED_DIR
-
-    for path in run_dir.glob("*.jsonl"):
-        path.unlink()
-    for name in (LINEAGE_FILE, "console.log"):
-        (run_dir / name).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / SUPERSEDED_DIR, ignore_errors=True)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
 def _detach_run_log(run_dir: Path) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from services.atomic import write_atomic
+from services.run_records import clear_run_records, read_records
 
 ARCHIVE_FORMAT = 1
 """Version of the archived run's JSON layout."""
@@ -140,10 +141,12 @@ def archive_run(run_dir: Path, archive_dir: Path, warm_start_sha256: str | None)
     missing = [name for name in RUN_FILES if not (run_dir / name).exists()]
     if missing:
         raise ValueError(f"{run_dir} lacks {', '.join(missing)}: not a finished run")
-    files = {name: (run_dir / name).read_text() for name in RUN_FILES}
-    evals = [json.loads(line) for line in files["eval.jsonl"].splitlines() if line.strip()]
-    if not any(e.get("tag") == "end" for e in evals):
+    if not is_finished(run_dir):
         raise ValueError(f"{run_dir} has no final evaluation: the run has not finished")
+    path = run_archive_path(archive_dir, run_dir.name)
+    if path.exists():
+        return path  # archived before (maybe from another machine): the first one is kept
+    files = {name: (run_dir / name).read_text() for name in RUN_FILES}
     record = {
         "format": ARCHIVE_FORMAT,
         "run": run_dir.name,
@@ -152,9 +155,6 @@ def archive_run(run_dir: Path, archive_dir: Path, warm_start_sha256: str | None)
         "mtimes": {name: (run_dir / name).stat().st_mtime for name in DATED_FILES},
         "files": files,
     }
-    path = run_archive_path(archive_dir, run_dir.name)
-    if path.exists():
-        return path  # archived before (maybe from another machine): the first one is kept
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, _gzip(json.dumps(record, sort_keys=True, indent=0).encode()))
     return path
@@ -205,8 +205,7 @@ def restore_runs(
                 f"({WARM_START_ARCHIVE}) or archive into a new directory"
             )
         run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in run_dir.glob("*.jsonl"):
-            stale.unlink()
+        clear_run_records(run_dir)
         # eval.jsonl last: its final evaluation marks a finished run
         for file_name in sorted(record["files"], key=lambda n: n == "eval.jsonl"):
             write_atomic(run_dir / file_name, record["files"][file_name])
@@ -229,11 +228,7 @@ def archive_finished(archive_dir: Path, run_dirs: list[Path], warm_start_sha256:
 
 def is_finished(run_dir: Path) -> bool:
     """Whether ``run_dir``'s ``eval.jsonl`` holds the final (``end``) evaluation."""
-    path = run_dir / "eval.jsonl"
-    if not path.exists():
-        return False
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return any(e.get("tag") == "end" for e in lines)
+    return any(e.get("tag") == "end" for e in read_records(Path(run_dir) / "eval.jsonl"))
 
 
 def _tar_info(name: str, size: int) -> tarfile.TarInfo:

@@ -286,6 +286,20 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+def clear_run_records(run_dir: Path) -> None:
+    """Remove the records of an unfinished run (every ``*.jsonl``, its lineage, superseded
+    records, checkpoints, ``console.log``) so that a new run, or one restored from a grid's
+    archive, starts clean in it."""
+    import shutil
+
+    for path in run_dir.glob("*.jsonl"):
+        path.unlink()
+    for name in (LINEAGE_FILE, "console.log"):
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / SUPERSEDED_DIR, ignore_errors=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
 def read_records(path: Path, step_key: str | None = None) -> list[dict[str, Any]]:
     """The records of a JSONL record file ([] when it does not exist), checked to belong to
     one run.

@@ -91,12 +91,13 @@ def test_restore_replaces_a_partial_run_and_keeps_a_finished_one(tmp_path: Path)
     run_archive.archive_run(make_run(tmp_path / "src" / "done", seed=1), archive, DIGEST)
     partial = make_run(tmp_path / "out" / "partial", finished=False)
     (partial / "consumed.jsonl").write_text('{"step": 1}\n')  # a record of the partial run
+    (partial / "checkpoints" / "step_000001").mkdir(parents=True)  # and its checkpoint
     done = make_run(tmp_path / "out" / "done", seed=5)  # finished here: this one stays
 
     restored = run_archive.restore_runs(archive, [partial, done, tmp_path / "out" / "new"], DIGEST)
 
     assert restored == [partial]
-    assert not (partial / "consumed.jsonl").exists()
+    assert not (partial / "consumed.jsonl").exists() and not (partial / "checkpoints").exists()
     assert run_archive.is_finished(partial)
     assert json.loads((done / "config.json").read_text())["run"]["seed"] == 5
 

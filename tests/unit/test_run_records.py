@@ -308,7 +308,7 @@ def test_readers_of_runs_count_each_step_once(tmp_path: Path):
 def test_the_experiment_clears_a_partial_run_completely(tmp_path: Path):
     """A grid rerun of an unfinished run starts a new run in its directory: every record
     file (consumed.jsonl included), the lineage and superseded records go."""
-    from services.experiment import _clear_partial_run
+    from services.run_records import clear_run_records
 
     run_dir = tmp_path / "r"
     run_dir.mkdir()
@@ -318,6 +318,6 @@ def test_the_experiment_clears_a_partial_run_completely(tmp_path: Path):
         records.append(name, {"step": 1})
     fake_checkpoint(run_dir, 1, records)
     (run_dir / SUPERSEDED_DIR).mkdir()
-    _clear_partial_run(run_dir)
+    clear_run_records(run_dir)
     assert used_by(run_dir) == [] and not (run_dir / LINEAGE_FILE).exists()
     assert not (run_dir / SUPERSEDED_DIR).exists()
