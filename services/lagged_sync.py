@@ -44,8 +44,10 @@ class LaggedWeightSync:
         self._exports: dict[int, Any] = {}
 
     def push(self, learner: Any, engines: list[Any], policy_version: int, lag: int) -> SyncHandle:
-        """Export the learner's weights (version ``policy_version``), then queue on every
-        engine the load of version ``max(first exported, policy_version - lag)``.
+        """Export the learner's weights (version ``policy_version``; once: a second push of
+        a version reuses its export), then queue on every engine the load of version
+        ``max(first exported, policy_version - lag)``. ``lag = 0`` loads ``policy_version``
+        itself (the final evaluation's push).
 
         Returns:
             The :class:`SyncHandle` of the version pushed (``policy_version`` is that
@@ -58,8 +60,11 @@ class LaggedWeightSync:
         if lag < 0:
             raise ValueError(f"lag must be >= 0, got {lag}")
         started = time.perf_counter()
-        weights_ref, export_s = export_to_object_store(learner, policy_version)
-        self._exports[policy_version] = weights_ref
+        export_s = 0.0
+        if policy_version not in self._exports:  # an exact push after the lagged one
+            self._exports[policy_version], export_s = export_to_object_store(
+                learner, policy_version
+            )
         target = max(min(self._exports), policy_version - lag)
         # versions older than the target are never pushed again
         for v in [v for v in self._exports if v < target]:

@@ -36,8 +36,12 @@ from typing import Any
 from services.atomic import write_atomic
 from services.run_records import clear_run_records, read_records
 
-ARCHIVE_FORMAT = 1
-"""Version of the archived run's JSON layout."""
+ARCHIVE_FORMAT = 2
+"""Version of the archived run's JSON layout and of what its records mean. 2: the final
+evaluation answered with the learner's final policy (``eval.jsonl``'s
+``engine_policy_version_min``). Format 1 (archived before 2026-11-27 17:00 UTC) is refused:
+under ``sync.fixed_lag`` its final evaluation answered with the engines' weights,
+``buffer.max_staleness`` versions behind the learner."""
 
 RUN_FILES: tuple[str, ...] = ("config.json", "run.json", "steps.jsonl", "eval.jsonl")
 """The files of a run directory that are archived (what :func:`services.experiment.summarize_run`,
@@ -135,7 +139,9 @@ def archive_run(run_dir: Path, archive_dir: Path, warm_start_sha256: str | None)
             (None: the grid has no shared warm start).
 
     Raises:
-        ValueError: the run has not finished (no ``end`` evaluation) or lacks a record file.
+        ValueError: the run has not finished (no ``end`` evaluation), lacks a record file,
+            or its final evaluation did not answer with its final policy
+            (:func:`check_final_policy_evaluated`).
     """
     run_dir = Path(run_dir)
     missing = [name for name in RUN_FILES if not (run_dir / name).exists()]
@@ -144,6 +150,8 @@ def archive_run(run_dir: Path, archive_dir: Path, warm_start_sha256: str | None)
     if not is_finished(run_dir):
         raise ValueError(f"{run_dir} has no final evaluation: the run has not finished")
     path = run_archive_path(archive_dir, run_dir.name)
+    if not path.exists():
+        check_final_policy_evaluated(run_dir)
     if path.exists():
         return path  # archived before (maybe from another machine): the first one is kept
     files = {name: (run_dir / name).read_text() for name in RUN_FILES}
@@ -170,8 +178,16 @@ def read_archived_run(path: Path) -> dict[str, Any]:
         record = json.loads(gzip.decompress(Path(path).read_bytes()))
     except (OSError, EOFError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not an archived run: {e}") from None
+    if record.get("format") == 1:
+        raise ValueError(
+            f"{path}: archive format 1, whose final evaluation answered with the engines' "
+            f"lagged weights, not the final policy ({ARCHIVE_FORMAT=}): delete it, the grid "
+            "runs it again"
+        )
     if record.get("format") != ARCHIVE_FORMAT:
-        raise ValueError(f"{path}: archive format {record.get('format')!r}, expected 1")
+        raise ValueError(
+            f"{path}: archive format {record.get('format')!r}, expected {ARCHIVE_FORMAT}"
+        )
     return record
 
 
@@ -229,6 +245,28 @@ def archive_finished(archive_dir: Path, run_dirs: list[Path], warm_start_sha256:
 def is_finished(run_dir: Path) -> bool:
     """Whether ``run_dir``'s ``eval.jsonl`` holds the final (``end``) evaluation."""
     return any(e.get("tag") == "end" for e in read_records(Path(run_dir) / "eval.jsonl"))
+
+
+def check_final_policy_evaluated(run_dir: Path) -> None:
+    """Check that ``run_dir``'s final (``end``) evaluation answered with the run's final
+    policy: the version the engines stamped on its answers (``engine_policy_version_min``
+    and ``_max``) is the learner's ``policy_version``.
+
+    Raises:
+        ValueError: it answered with other weights, or the record does not say (a run made
+            before the driver pushed the final policy to the engines for it: under
+            ``sync.fixed_lag`` they held weights ``buffer.max_staleness`` versions older).
+    """
+    for e in read_records(Path(run_dir) / "eval.jsonl"):
+        if e.get("tag") != "end":
+            continue
+        engine = (e.get("engine_policy_version_min"), e.get("engine_policy_version_max"))
+        if None in engine or engine != (e.get("policy_version"),) * 2:
+            raise ValueError(
+                f"{run_dir}: its final evaluation answered with policy versions {engine}, the "
+                f"learner's final policy is {e.get('policy_version')} (made before the driver "
+                "pushed the final policy for it?): not archived; delete the run and run it again"
+            )
 
 
 def _tar_info(name: str, size: int) -> tarfile.TarInfo:

@@ -135,6 +135,9 @@ class Phases:
         trajectories, crashes = self.rollout_shards(shards, tag, greedy=greedy)
         summary = summarize_eval(trajectories)
         summary.update(tag=tag, learner_step=step, policy_version=version)
+        if trajectories:  # the weights that answered, as the engines stamped them
+            summary["engine_policy_version_min"] = min(t.policy_version_min for t in trajectories)
+            summary["engine_policy_version_max"] = max(t.policy_version_max for t in trajectories)
         self.report.append("eval.jsonl", summary)
         records = eval_records(trajectories, tag, step, self.config().run.record_text_chars)
         self.report.write_records(EVAL_RECORDS, f"eval_samples/{tag}", records, step)

@@ -64,19 +64,20 @@ class SyncCoordinator:
     def owns(self, ref: Any) -> bool:
         return ref in self.pending
 
-    def push(self, policy_version: int, blocking: bool) -> float:
+    def push(self, policy_version: int, blocking: bool, exact: bool = False) -> float:
         """Push the learner's weights (version ``policy_version``) to every engine that is
         not lost (a lost one gets them when Ray has restarted it); returns the export
-        seconds. ``blocking``: wait for every load (a crashed actor is re-synced later)."""
+        seconds. ``blocking``: wait for every load (a crashed actor is re-synced later).
+        ``exact``: this very version also under ``sync.fixed_lag`` (which otherwise pushes
+        the one ``buffer.max_staleness`` versions older): what the final evaluation needs."""
         cfg = self.config()
         live = self.fleet.live()
         if cfg.sync.fixed_lag:  # engines exactly buffer.max_staleness versions behind
             from services.lagged_sync import LaggedWeightSync
 
             self._lagged = self._lagged or LaggedWeightSync()
-            handle = self._lagged.push(
-                self.learner, [s.handle for s in live], policy_version, cfg.buffer.max_staleness
-            )
+            lag = 0 if exact else cfg.buffer.max_staleness
+            handle = self._lagged.push(self.learner, [s.handle for s in live], policy_version, lag)
         else:
             handle = self._push_to_live(live, policy_version)
         self.current = handle

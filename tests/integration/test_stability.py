@@ -67,6 +67,15 @@ def test_stability_grid_short(tmp_path: Path):
         # each run's own process wrote its console output beside its logs
         assert "[step 5/5" in (run / "console.log").read_text()
         assert json.loads((run / "config.json").read_text())["run"]["seed"] == seed
+        # the end evaluation answered with the final policy, not the engines' lagged one
+        # (the fixed lag held them at STEPS - LAG; they got version STEPS before it ran)
+        for end in [e for e in _lines(run / "eval.jsonl") if e["tag"].startswith("end")]:
+            versions = (end["engine_policy_version_min"], end["engine_policy_version_max"])
+            assert versions == (end["policy_version"],) * 2, end
+        samples = [r for r in _lines(run / "eval_samples.jsonl") if r["tag"] == "end"]
+        assert samples and {r["policy_version_min"] for r in samples} == {
+            steps[-1]["policy_version"]
+        }
     # the per-cell summary reads the same logs
     cells = json.loads((run.parent / "cells.json").read_text())["cells"]
     assert len(cells) == 1

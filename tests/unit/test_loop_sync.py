@@ -121,3 +121,39 @@ def test_a_lost_engine_gets_a_queued_load_and_comes_back_with_the_current_versio
     sync.on_ack("reload-2-engine-1")
     assert not survivor.lost and survivor.engine_version == 3
     assert lines[-1] == "rollout actor 1 is back on 10.0.0.2 with policy_version 3"
+
+
+def test_under_a_fixed_lag_an_exact_push_loads_the_learners_version_without_exporting_again(
+    monkeypatch,
+):
+    """``sync.fixed_lag`` holds the engines ``max_staleness`` versions behind; the final
+    evaluation's push (``exact=True``) gives them the learner's own version, reusing the
+    export the lagged push of that version made (red if the end evaluation answers with the
+    lagged weights: ``tests/integration/test_stability.py``)."""
+    from services import lagged_sync
+
+    exported: list[int] = []
+    loads: list[tuple[str, int]] = []
+    monkeypatch.setattr(
+        lagged_sync,
+        "export_to_object_store",
+        lambda learner, v: (exported.append(v), (f"weights-{v}", 0.1))[1],
+    )
+    monkeypatch.setattr(
+        lagged_sync,
+        "engine_weights_call",
+        lambda engine, name: SimpleNamespace(
+            remote=lambda ref, v: (loads.append((engine, v)), f"ack-{engine}-{v}")[1]
+        ),
+    )
+    cfg = load_config(None, ["sync.fixed_lag=true", "buffer.max_staleness=2"])
+    fleet = Fleet(cfg, create_actor=lambda i: f"engine-{i}")
+    fleet.slots = [RolloutSlot("engine-0", 0)]
+    sync = SyncCoordinator(lambda: cfg, fleet, "learner", Transport(), [].append)
+    for version in range(6):
+        sync.push(version, blocking=False)
+    assert [v for _, v in loads] == [0, 0, 0, 1, 2, 3]  # two versions behind
+    assert fleet.slots[0].engine_version == 3
+    sync.push(5, blocking=False, exact=True)
+    assert loads[-1] == ("engine-0", 5) and fleet.slots[0].engine_version == 5
+    assert exported == [0, 1, 2, 3, 4, 5]  # version 5 was exported once

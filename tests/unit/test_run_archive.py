@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services import run_archive
+from services import run_archive, run_records
 from services.arena import read_run
 from services.collapse import CollapseRule
 from services.run_archive import ArchiveMismatchError
@@ -31,7 +31,8 @@ def make_run(run_dir: Path, finished: bool = True, seed: int = 0) -> Path:
     (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     evals = [{"run_id": "r1", "tag": "start", "success_rate": 0.2}]
     if finished:
-        evals.append({"run_id": "r1", "tag": "end", "success_rate": 0.3})
+        evals.append({"run_id": "r1", "tag": "end", "success_rate": 0.3, "policy_version": 2,
+                      "engine_policy_version_min": 2, "engine_policy_version_max": 2})  # fmt: skip
     (run_dir / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
     os.utime(run_dir / "config.json", (1_000_000.0, 1_000_000.0))
     os.utime(run_dir / "eval.jsonl", (1_000_300.5, 1_000_300.5))
@@ -74,6 +75,36 @@ def test_unfinished_runs_are_not_archived(tmp_path: Path):
         run_archive.archive_run(run, tmp_path / "archive", DIGEST)
     assert run_archive.archive_finished(tmp_path / "archive", [run], DIGEST) == 0
     assert not (tmp_path / "archive").exists()
+
+
+@pytest.mark.parametrize("engine", [(0, 0), (0, 2), None])
+def test_a_run_whose_final_evaluation_missed_the_final_policy_is_not_archived(
+    tmp_path: Path, engine: tuple[int, int] | None
+):
+    """The final success must be the final policy's: a run whose end evaluation answered
+    with older weights (engines held behind by ``sync.fixed_lag``; or a record that does
+    not say, from before the driver pushed the final policy) is refused, and so is an
+    archive file of format 1, which holds such runs."""
+    run = make_run(tmp_path / "method-ppo_tis_seed-0")
+    evals = run_records.read_records(run / "eval.jsonl")
+    for key in ("engine_policy_version_min", "engine_policy_version_max"):
+        evals[-1].pop(key)
+    if engine is None:  # a record that says nothing of the versions
+        evals[-1].pop("policy_version")
+    else:
+        evals[-1]["engine_policy_version_min"], evals[-1]["engine_policy_version_max"] = engine
+    (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    with pytest.raises(ValueError, match="final evaluation answered with policy versions"):
+        run_archive.archive_run(run, tmp_path / "archive", DIGEST)
+    assert not (tmp_path / "archive").exists()
+
+
+def test_an_archive_file_of_format_1_is_refused_with_the_reason(tmp_path: Path):
+    path = run_archive.archive_run(make_run(tmp_path / "run"), tmp_path / "archive", DIGEST)
+    record = run_archive.read_archived_run(path)
+    path.write_bytes(gzip.compress(json.dumps(record | {"format": 1}).encode()))
+    with pytest.raises(ValueError, match="lagged weights, not the final policy"):
+        run_archive.read_archived_run(path)
 
 
 def test_the_first_archived_run_is_kept(tmp_path: Path):
