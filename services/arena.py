@@ -91,6 +91,8 @@ class ArenaRun:
     val_start: float
     collapsed: bool | None
     finished: bool
+    """The final evaluation ran after every planned learner step (a run the time cap
+    stopped early evaluated too, with fewer updates: not finished)."""
     steps: int
     shares: dict[str, float]
     scale_min: float
@@ -127,7 +129,7 @@ def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> Are
         val_success=float(end[-1]["success_rate"]) if end else math.nan,
         val_start=float(start[0]["success_rate"]) if start else math.nan,
         collapsed=run_collapsed(steps, rule),
-        finished=bool(end),
+        finished=bool(end) and len(steps) >= int(cfg["run"]["num_steps"]),
         steps=len(steps),
         shares={key: _mean(_series(steps, key)) for key, _ in SHARES},
         scale_min=min(scale, default=1.0),
@@ -614,8 +616,8 @@ def write_leaderboards(
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Read the runs, write ``leaderboard.{json,md}`` and the three figures into
-    ``out_dir``; returns the markdown's path. Unfinished runs are left out of the boards
-    (their count is in the JSON)."""
+    ``out_dir``; returns the markdown's path. Unfinished runs (also those the time cap
+    stopped early) are left out of the boards (their count is in the JSON)."""
     runs = [read_run(d, rule) for d in run_dirs if (d / "config.json").exists()]
     finished = [r for r in runs if r.finished]
     rows = leaderboard(finished, baseline)

@@ -31,6 +31,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from learner.config import StrictModel
+from services import run_archive
 from services.collapse import CollapseRule, run_collapsed
 from services.config import ConfigError, RunConfig, _format_validation_error, load_config, read_toml
 from services.run_records import clear_run_records
@@ -144,7 +145,8 @@ class ExperimentSpec(StrictModel):
     the first learner step's start of collection (after startup and the ``start``
     evaluation): after it the run starts no new learner step (the one in progress
     finishes), then checkpoints and evaluates as usual. A safety net for shared machines;
-    a capped run logs fewer than ``num_steps`` steps."""
+    a capped run logs fewer than ``num_steps`` steps and is not a finished grid run: it is
+    not archived, the leaderboards leave it out, and the grid's next call runs it again."""
 
     shared_warm_start: bool = False
     """Run the warm start (the ``sft`` section, forced on) once, as run ``warm_start`` with 0
@@ -748,17 +750,21 @@ def _unfinished(
     planned: list[PlannedRun], name: str, skip_finished: bool, done: set[str]
 ) -> list[tuple[str, PlannedRun]]:
     """The planned runs still to run, labelled for the console: not run in this call
-    (``done``), and not finished before (with ``skip_finished``). A partial run's records
-    are cleared (it restarts from scratch)."""
+    (``done``), and not complete before (with ``skip_finished``;
+    :func:`services.run_archive.is_complete`). A partial run's records are cleared (it
+    restarts from scratch), and so are those of a run the time cap stopped early."""
     todo = []
     for i, run in enumerate(planned, 1):
         run_dir = run.config.run_dir
         label = f"[experiment {name}] {i}/{len(planned)} {run.name}"
         if run.name in done:
             continue
-        if skip_finished and final_val_success(run_dir) is not None:
+        if skip_finished and run_archive.is_complete(run_dir):
             print(f"{label}: finished before, skipped")
             continue
+        if skip_finished and final_val_success(run_dir) is not None:
+            done, planned = run_archive.steps_done(run_dir)
+            print(f"{label}: stopped by the time cap at step {done} of {planned}: runs again")
         if run_dir.exists():
             clear_run_records(run_dir)
         todo.append((label, run))
@@ -863,8 +869,6 @@ class _Archive:
     def restore_warm_start(self) -> None:
         """Write the archived warm start back unless this machine has it (it then skips
         the SFT); nothing without a shared warm start."""
-        from services import run_archive
-
         if self.warm is None or self.policy_dir is None:
             return
         if run_archive.restore_warm_start(self.dir, self.warm.config.run_dir, self.policy_dir):
@@ -874,8 +878,6 @@ class _Archive:
         """The grid's warm start digest, archiving the warm start first if it is new (the
         archived one's while this machine has none; None without a shared warm start).
         Computed once the local warm start exists: it does not change within a grid."""
-        from services import run_archive
-
         if self.warm is None or self.policy_dir is None:
             return None
         if self._sha256 is not None:
@@ -889,8 +891,6 @@ class _Archive:
     def sync(self, planned: list[PlannedRun]) -> None:
         """Archive the planned runs finished here and not archived yet, then restore the
         archived ones not finished here."""
-        from services import run_archive
-
         digest = self._digest()
         run_dirs = [run.config.run_dir for run in planned]
         run_archive.archive_finished(self.dir, run_dirs, digest)
@@ -899,9 +899,13 @@ class _Archive:
             print(f"[experiment] {len(restored)} finished run(s) restored from {self.dir}")
 
     def add(self, run: PlannedRun) -> None:
-        """Archive ``run``, which has just finished."""
-        from services import run_archive
-
+        """Archive ``run``, which has just finished (not when the time cap stopped it early:
+        the grid's next call runs it again)."""
+        done, planned = run_archive.steps_done(run.config.run_dir)
+        if done < planned:
+            print(f"[experiment] {run.name} not archived: the time cap stopped it at step "
+                  f"{done} of {planned}", flush=True)  # fmt: skip
+            return
         path = run_archive.archive_run(run.config.run_dir, self.dir, self._digest())
         print(f"[experiment] {run.name} archived in {path}", flush=True)
 

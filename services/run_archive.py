@@ -139,8 +139,8 @@ def archive_run(run_dir: Path, archive_dir: Path, warm_start_sha256: str | None)
             (None: the grid has no shared warm start).
 
     Raises:
-        ValueError: the run has not finished (no ``end`` evaluation), lacks a record file,
-            or its final evaluation did not answer with its final policy
+        ValueError: the run has not finished (no ``end`` evaluation), is not complete
+            (:func:`is_complete`), lacks a record file, or its final evaluation did not answer with its final policy
             (:func:`check_final_policy_evaluated`).
     """
     run_dir = Path(run_dir)
@@ -149,6 +149,12 @@ def archive_run(run_dir: Path, archive_dir: Path, warm_start_sha256: str | None)
         raise ValueError(f"{run_dir} lacks {', '.join(missing)}: not a finished run")
     if not is_finished(run_dir):
         raise ValueError(f"{run_dir} has no final evaluation: the run has not finished")
+    done, planned = steps_done(run_dir)
+    if done < planned:
+        raise ValueError(
+            f"{run_dir} stopped at {done} of its {planned} learner steps (a time cap): "
+            "not a sample of the grid's experiment"
+        )
     path = run_archive_path(archive_dir, run_dir.name)
     if not path.exists():
         check_final_policy_evaluated(run_dir)
@@ -195,7 +201,8 @@ def restore_runs(
     archive_dir: Path, run_dirs: list[Path], warm_start_sha256: str | None
 ) -> list[Path]:
     """Write the archived runs among ``run_dirs`` (found by directory name) into them, where
-    a directory does not hold its finished run already (a partial run there is replaced);
+    a directory does not hold its complete run already (a partial or time-capped run there
+    is replaced);
     returns the directories restored.
 
     Args:
@@ -211,7 +218,7 @@ def restore_runs(
     restored = []
     for run_dir in map(Path, run_dirs):
         path = run_archive_path(archive_dir, run_dir.name)
-        if not path.exists() or is_finished(run_dir):
+        if not path.exists() or is_complete(run_dir):
             continue
         record = read_archived_run(path)
         if record.get("warm_start_sha256") != warm_start_sha256:
@@ -232,11 +239,11 @@ def restore_runs(
 
 
 def archive_finished(archive_dir: Path, run_dirs: list[Path], warm_start_sha256: str | None) -> int:
-    """Archive every finished run among ``run_dirs`` (:func:`archive_run`); returns how many
-    files were written or already up to date."""
+    """Archive every complete run among ``run_dirs`` (:func:`archive_run`,
+    :func:`is_complete`); returns how many files were written or already up to date."""
     count = 0
     for run_dir in map(Path, run_dirs):
-        if is_finished(run_dir):
+        if is_complete(run_dir):
             archive_run(run_dir, archive_dir, warm_start_sha256)
             count += 1
     return count
@@ -245,6 +252,26 @@ def archive_finished(archive_dir: Path, run_dirs: list[Path], warm_start_sha256:
 def is_finished(run_dir: Path) -> bool:
     """Whether ``run_dir``'s ``eval.jsonl`` holds the final (``end``) evaluation."""
     return any(e.get("tag") == "end" for e in read_records(Path(run_dir) / "eval.jsonl"))
+
+
+def steps_done(run_dir: Path) -> tuple[int, int]:
+    """``(learner steps logged, run.num_steps of its config.json)`` of a run directory
+    (``(0, 0)`` without a config)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").exists():
+        return 0, 0
+    planned = int(json.loads((run_dir / "config.json").read_text())["run"]["num_steps"])
+    return len(read_records(run_dir / "steps.jsonl", "step")), planned
+
+
+def is_complete(run_dir: Path) -> bool:
+    """Finished (:func:`is_finished`) with every learner step it planned: a run stopped by a
+    time cap (:attr:`services.experiment.ExperimentSpec.max_run_s`, on a loaded machine)
+    evaluates and finishes too, with fewer updates: not a sample of the grid's experiment."""
+    if not is_finished(run_dir):
+        return False
+    done, planned = steps_done(run_dir)
+    return done >= planned
 
 
 def check_final_policy_evaluated(run_dir: Path) -> None:

@@ -29,13 +29,26 @@ def write_run(root: Path, method: str, staleness: int, seed: int, end: float, **
     run_dir = root / f"{method}_{staleness}_{seed}"
     run_dir.mkdir(parents=True)
     cfg = load_config(None, [f'run.label="{method}"', f"buffer.max_staleness={staleness}",
-                             f"run.seed={seed}"])  # fmt: skip
+                             f"run.seed={seed}", "run.num_steps=4"])  # fmt: skip
     (run_dir / "config.json").write_text(cfg.model_dump_json())
     steps = [{"step": i, "success_rate": 0.5, "step_s": 1.0, **step} for i in range(1, 5)]
     (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     evals = [{"tag": "start", "success_rate": 0.1}, {"tag": "end", "success_rate": end}]
     (run_dir / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
     return run_dir
+
+
+def test_a_run_the_time_cap_stopped_early_is_left_out_of_the_boards(tmp_path: Path):
+    complete = write_run(tmp_path, "base", 4, 0, 0.5)
+    capped = write_run(tmp_path, "base", 4, 1, 0.9)
+    steps = (capped / "steps.jsonl").read_text().splitlines()
+    (capped / "steps.jsonl").write_text("\n".join(steps[:3]) + "\n")  # 3 of its 4 steps
+    assert read_run(complete, RULE).finished and not read_run(capped, RULE).finished
+    out = tmp_path / "board"
+    write_leaderboards([complete, capped], RULE, out, baseline=None)
+    payload = json.loads((out / "leaderboard.json").read_text())
+    assert payload["unfinished_runs"] == 1
+    assert [r["val_success_per_seed"] for r in payload["rows"]] == [[0.5]]
 
 
 def test_leaderboard_ranks_compares_and_counts(tmp_path: Path):

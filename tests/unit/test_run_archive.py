@@ -22,7 +22,7 @@ def make_run(run_dir: Path, finished: bool = True, seed: int = 0) -> Path:
     """A run directory with the records the summaries read (two steps, start and end
     evaluations when ``finished``)."""
     run_dir.mkdir(parents=True)
-    config = {"run": {"label": "ppo_tis", "seed": seed}, "buffer": {"max_staleness": 4},
+    config = {"run": {"label": "ppo_tis", "seed": seed, "num_steps": 2}, "buffer": {"max_staleness": 4},
               "algorithm": {"variant": "ppo"}}  # fmt: skip
     (run_dir / "config.json").write_text(json.dumps(config))
     (run_dir / "run.json").write_text(json.dumps({"run_id": "r1", "attempts": []}))
@@ -105,6 +105,38 @@ def test_an_archive_file_of_format_1_is_refused_with_the_reason(tmp_path: Path):
     path.write_bytes(gzip.compress(json.dumps(record | {"format": 1}).encode()))
     with pytest.raises(ValueError, match="lagged weights, not the final policy"):
         run_archive.read_archived_run(path)
+
+
+def test_a_run_the_time_cap_stopped_early_is_neither_archived_nor_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    """``max_run_s`` lets a run on a loaded machine stop early and still evaluate: fewer
+    updates, another experiment. It is not archived, an archived complete run replaces it,
+    and the grid's resume runs it again (red if any of them counts it as finished)."""
+    from types import SimpleNamespace
+
+    from services.experiment import _unfinished
+
+    capped = make_run(tmp_path / "out" / "r")
+    steps = run_records.read_records(capped / "steps.jsonl")
+    (capped / "steps.jsonl").write_text(json.dumps(steps[0]) + "\n")  # 1 of its 2 steps
+    assert run_archive.is_finished(capped) and not run_archive.is_complete(capped)
+    with pytest.raises(ValueError, match="stopped at 1 of its 2 learner steps"):
+        run_archive.archive_run(capped, tmp_path / "archive", DIGEST)
+    assert run_archive.archive_finished(tmp_path / "archive", [capped], DIGEST) == 0
+
+    planned = [SimpleNamespace(name="r", config=SimpleNamespace(run_dir=capped))]
+    assert [run for _, run in _unfinished(planned, "g", True, set())] == planned
+    assert "stopped by the time cap at step 1 of 2: runs again" in capsys.readouterr().out
+    assert not (capped / "steps.jsonl").exists()  # cleared: it restarts
+
+    make_run(tmp_path / "capped-again" / "r")
+    (tmp_path / "capped-again" / "r" / "steps.jsonl").write_text(json.dumps(steps[0]) + "\n")
+    run_archive.archive_run(make_run(tmp_path / "src" / "r"), tmp_path / "archive", DIGEST)
+    [restored] = run_archive.restore_runs(
+        tmp_path / "archive", [tmp_path / "capped-again" / "r"], DIGEST
+    )
+    assert run_archive.is_complete(restored)
 
 
 def test_the_first_archived_run_is_kept(tmp_path: Path):
