@@ -178,7 +178,8 @@ def read_archived_run(path: Path) -> dict[str, Any]:
     """One archived run's record (the JSON that :func:`archive_run` wrote).
 
     Raises:
-        ValueError: not an archived run of a known :data:`ARCHIVE_FORMAT`.
+        ValueError: not an archived run of a known :data:`ARCHIVE_FORMAT`, or one of fewer
+            learner steps than it planned (:func:`is_complete`).
     """
     try:
         record = json.loads(gzip.decompress(Path(path).read_bytes()))
@@ -193,6 +194,14 @@ def read_archived_run(path: Path) -> dict[str, Any]:
     if record.get("format") != ARCHIVE_FORMAT:
         raise ValueError(
             f"{path}: archive format {record.get('format')!r}, expected {ARCHIVE_FORMAT}"
+        )
+    files = record.get("files", {})
+    planned = json.loads(files.get("config.json", "{}")).get("run", {}).get("num_steps", 0)
+    done = sum(1 for line in files.get("steps.jsonl", "").splitlines() if line.strip())
+    if done < planned:
+        raise ValueError(
+            f"{path}: a run the time cap stopped at {done} of its {planned} learner steps "
+            "(archived before such runs were refused): delete it, the grid runs it again"
         )
     return record
 

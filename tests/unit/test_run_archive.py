@@ -137,6 +137,13 @@ def test_a_run_the_time_cap_stopped_early_is_neither_archived_nor_kept(
         tmp_path / "archive", [tmp_path / "capped-again" / "r"], DIGEST
     )
     assert run_archive.is_complete(restored)
+    # an archive file holding a capped run (made before archive_run refused them) is named
+    path = run_archive.run_archive_path(tmp_path / "archive", "r")
+    record = run_archive.read_archived_run(path)
+    record["files"]["steps.jsonl"] = json.dumps(steps[0]) + "\n"
+    path.write_bytes(gzip.compress(json.dumps(record).encode()))
+    with pytest.raises(ValueError, match="time cap stopped at 1 of its 2 learner steps"):
+        run_archive.read_archived_run(path)
 
 
 def test_the_first_archived_run_is_kept(tmp_path: Path):
