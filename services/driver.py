@@ -92,7 +92,7 @@ class Driver:
                 self.report.curves(self.services.run_dir)
                 self.report.say(f"interrupted at step {self.state.learner_step}")
                 raise TrainingInterrupted(self.state.learner_step, self.services.run_dir)
-            self._push_final_policy()
+            self.sync.push_final(self.state.policy_version)  # the end evaluation's weights
             self._evaluate("end")
             self.report.curves(self.services.run_dir)
             return self.state
@@ -221,15 +221,6 @@ class Driver:
         # SFT steps are weight updates too: versions continue from the learner's count
         self.state.policy_version = done.policy_version
         self.report.append("sft.jsonl", done.record)
-
-    def _push_final_policy(self) -> None:
-        """The end evaluation measures the learner's final policy: every engine still behind
-        it (``sync.fixed_lag`` holds them ``buffer.max_staleness`` versions back, a sync
-        period skips versions, the last push may still be loading) gets its weights first,
-        and the evaluation starts once every load has landed."""
-        self.sync.settle()
-        if any(s.engine_version != self.state.policy_version for s in self.fleet.live()):
-            self.sync.push(self.state.policy_version, blocking=True, exact=True)
 
     def _evaluate(self, tag: str) -> None:
         step, version = self.state.learner_step, self.state.policy_version

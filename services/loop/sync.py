@@ -89,6 +89,15 @@ class SyncCoordinator:
                 self.on_ack(ack)
         return handle.export_s
 
+    def push_final(self, policy_version: int) -> None:
+        """Give every engine the learner's final policy (``policy_version``) before the end
+        evaluation, which must measure it: wait for the loads in flight, then push it to
+        the engines still behind (``sync.fixed_lag`` holds them ``buffer.max_staleness``
+        versions back, a sync period skips versions) and wait for those loads too."""
+        self.settle()
+        if any(s.engine_version != policy_version for s in self.fleet.live()):
+            self.push(policy_version, blocking=True, exact=True)
+
     def push_to_new(self, slots: list[RolloutSlot]) -> None:
         """Give actors created after the first sync the current weights."""
         if self.current is None or not slots:

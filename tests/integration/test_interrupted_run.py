@@ -55,10 +55,8 @@ def cli_overrides(cfg: RunConfig, drop: tuple[str, ...] = ()) -> list[str]:
     ]
 
 
-@pytest.fixture
-def local_ray_cluster(tmp_path: Path):
-    """``(dashboard url, head process)`` of a 2-CPU head started for this test and stopped
-    (by its pid, with the processes it started) at the end."""
+def _start_head(tmp_path: Path, attempt: int) -> tuple[subprocess.Popen, str, Path]:
+    """``ray start --head --block`` on free ports: ``(process, dashboard url, its log)``."""
     temp_dir = CACHE_ROOT / f"rc{os.getpid()}"  # Ray's socket paths must stay short
     dashboard = _free_port()
     ports = {
@@ -76,37 +74,55 @@ def local_ray_cluster(tmp_path: Path):
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
            "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
            f"--temp-dir={temp_dir}", *(f"{k}={v}" for k, v in ports.items())]  # fmt: skip
-    log = (tmp_path / "ray_head.log").open("w")
-    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    url = f"http://127.0.0.1:{dashboard}"
-    try:
-        from ray.job_submission import JobSubmissionClient
+    log_path = tmp_path / f"ray_head_{attempt}.log"
+    with log_path.open("w") as log:
+        head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    return head, f"http://127.0.0.1:{dashboard}", log_path
 
-        # Ready = a job can be submitted: the dashboard answers list_jobs before its job
-        # agent has registered, and a submission then gets HTTP 500 "No available agent to
-        # submit job" (seen under load in a CI run).
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                client = JobSubmissionClient(url)
-                probe = client.submit_job(entrypoint="true")
-                break
-            except Exception:
-                if head.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"ray head did not come up: {(tmp_path / 'ray_head.log').read_text()}"
-                    ) from None
-                time.sleep(1)
+
+def _stop_head(head: subprocess.Popen) -> None:
+    head.send_signal(signal.SIGTERM)  # --block: stops the processes it started
+    try:
+        head.wait(60)
+    except subprocess.TimeoutExpired:
+        head.kill()
+        head.wait()
+
+
+@pytest.fixture
+def local_ray_cluster(tmp_path: Path):
+    """The dashboard url of a 2-CPU head started for this test and stopped (by its pid,
+    with the processes it started) at the end. A head that exits while it starts is
+    started once more: Ray gives its raylet a fixed 30 s to register with the GCS, and a
+    loaded 2-core machine once missed that in CI ("The current node timed out during
+    startup"; ``ray/_private/node.py``)."""
+    from ray.job_submission import JobSubmissionClient
+
+    head = None
+    try:
+        for attempt in (1, 2):
+            head, url, log_path = _start_head(tmp_path, attempt)
+            # Ready = a job can be submitted: the dashboard answers list_jobs before its job
+            # agent has registered, and a submission then gets HTTP 500 "No available agent
+            # to submit job" (seen under load in a CI run).
+            deadline = time.monotonic() + 180
+            while head.poll() is None and time.monotonic() < deadline:
+                try:
+                    client = JobSubmissionClient(url)
+                    probe = client.submit_job(entrypoint="true")
+                    break
+                except Exception:
+                    time.sleep(1)
+            else:
+                if head.poll() is not None and attempt == 1:
+                    continue  # it exited while starting: once more
+                raise RuntimeError(f"ray head did not come up: {log_path.read_text()}")
+            break
         _wait_job(client, probe, 120)
         yield url
     finally:
-        head.send_signal(signal.SIGTERM)  # --block: stops the processes it started
-        try:
-            head.wait(60)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
-        log.close()
+        if head is not None:
+            _stop_head(head)
 
 
 def _wait_job(client, job_id: str, timeout_s: float):

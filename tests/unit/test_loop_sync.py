@@ -123,12 +123,12 @@ def test_a_lost_engine_gets_a_queued_load_and_comes_back_with_the_current_versio
     assert lines[-1] == "rollout actor 1 is back on 10.0.0.2 with policy_version 3"
 
 
-def test_under_a_fixed_lag_an_exact_push_loads_the_learners_version_without_exporting_again(
+def test_the_final_push_loads_the_learners_version_under_a_fixed_lag_without_exporting_again(
     monkeypatch,
 ):
     """``sync.fixed_lag`` holds the engines ``max_staleness`` versions behind; the final
-    evaluation's push (``exact=True``) gives them the learner's own version, reusing the
-    export the lagged push of that version made (red if the end evaluation answers with the
+    evaluation's push (``push_final``: an exact push) gives them the learner's own version,
+    reusing the export the lagged push of that version made (red if the end evaluation answers with the
     lagged weights: ``tests/integration/test_stability.py``)."""
     from services import lagged_sync
 
@@ -154,6 +154,10 @@ def test_under_a_fixed_lag_an_exact_push_loads_the_learners_version_without_expo
         sync.push(version, blocking=False)
     assert [v for _, v in loads] == [0, 0, 0, 1, 2, 3]  # two versions behind
     assert fleet.slots[0].engine_version == 3
-    sync.push(5, blocking=False, exact=True)
+    monkeypatch.setattr(sync_module.ray, "get", lambda ref, *a, **k: 0.1)  # every load lands
+    sync.push_final(5)
     assert loads[-1] == ("engine-0", 5) and fleet.slots[0].engine_version == 5
     assert exported == [0, 1, 2, 3, 4, 5]  # version 5 was exported once
+    assert sync.refs() == []  # the end evaluation starts after every load
+    sync.push_final(5)
+    assert len(loads) == 7  # an engine at the final version gets nothing more
