@@ -763,8 +763,8 @@ def _unfinished(
             print(f"{label}: finished before, skipped")
             continue
         if skip_finished and final_val_success(run_dir) is not None:
-            done, planned = run_archive.steps_done(run_dir)
-            print(f"{label}: stopped by the time cap at step {done} of {planned}: runs again")
+            steps, of = run_archive.steps_done(run_dir)
+            print(f"{label}: stopped by the time cap at step {steps} of {of}: runs again")
         if run_dir.exists():
             clear_run_records(run_dir)
         todo.append((label, run))

@@ -125,8 +125,12 @@ def test_a_run_the_time_cap_stopped_early_is_neither_archived_nor_kept(
         run_archive.archive_run(capped, tmp_path / "archive", DIGEST)
     assert run_archive.archive_finished(tmp_path / "archive", [capped], DIGEST) == 0
 
-    planned = [SimpleNamespace(name="r", config=SimpleNamespace(run_dir=capped))]
-    assert [run for _, run in _unfinished(planned, "g", True, set())] == planned
+    fresh = tmp_path / "out" / "r2"  # a run after it: the grid goes on labelling and planning
+    planned = [SimpleNamespace(name=n, config=SimpleNamespace(run_dir=d))
+               for n, d in (("r", capped), ("r2", fresh))]  # fmt: skip
+    todo = _unfinished(planned, "g", True, set())
+    assert [run for _, run in todo] == planned
+    assert todo[1][0] == "[experiment g] 2/2 r2"
     assert "stopped by the time cap at step 1 of 2: runs again" in capsys.readouterr().out
     assert not (capped / "steps.jsonl").exists()  # cleared: it restarts
 
