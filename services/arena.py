@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services import run_archive
 from services.collapse import CollapseRule, run_collapsed
 from services.run_records import read_records
 from services.stability import (
@@ -129,7 +130,7 @@ def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> Are
         val_success=float(end[-1]["success_rate"]) if end else math.nan,
         val_start=float(start[0]["success_rate"]) if start else math.nan,
         collapsed=run_collapsed(steps, rule),
-        finished=bool(end) and len(steps) >= int(cfg["run"]["num_steps"]),
+        finished=run_archive.is_complete(run_dir),
         steps=len(steps),
         shares={key: _mean(_series(steps, key)) for key, _ in SHARES},
         scale_min=min(scale, default=1.0),

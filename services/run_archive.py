@@ -140,8 +140,8 @@ def archive_run(run_dir: Path, archive_dir: Path, warm_start_sha256: str | None)
 
     Raises:
         ValueError: the run has not finished (no ``end`` evaluation), is not complete
-            (:func:`is_complete`), lacks a record file, or its final evaluation did not answer with its final policy
-            (:func:`check_final_policy_evaluated`).
+            (:func:`is_complete`), lacks a record file, or its final evaluation did not
+            answer with its final policy (:func:`check_final_policy_evaluated`).
     """
     run_dir = Path(run_dir)
     missing = [name for name in RUN_FILES if not (run_dir / name).exists()]
@@ -156,10 +156,9 @@ def archive_run(run_dir: Path, archive_dir: Path, warm_start_sha256: str | None)
             "not a sample of the grid's experiment"
         )
     path = run_archive_path(archive_dir, run_dir.name)
-    if not path.exists():
-        check_final_policy_evaluated(run_dir)
     if path.exists():
         return path  # archived before (maybe from another machine): the first one is kept
+    check_final_policy_evaluated(run_dir)
     files = {name: (run_dir / name).read_text() for name in RUN_FILES}
     record = {
         "format": ARCHIVE_FORMAT,
