@@ -19,7 +19,13 @@ Code paths (``--paths``), switched on the same learner in the same process:
   padding (``pack_sequences``, :mod:`learner.packing`), the budget counting real tokens;
 - ``compiled``: ``packed`` with each decoder layer's attention, MLP and norms compiled by
   TorchInductor (``compile_layers``, :class:`learner.modeling.LayerCompiler`); the compile
-  happens in a warm-up step of its own, before the measured rounds (its seconds are printed).
+  happens in a warm-up step of its own, before the measured rounds (its seconds are printed);
+- ``varlen``: ``packed`` with every trajectory of a micro-batch in one row and the
+  variable-length attention (``packed_attention = "varlen"``, :mod:`learner.attention`:
+  torch's FlashAttention varlen kernel on CUDA) instead of rows with a block mask;
+- ``compiled_varlen``: ``varlen`` with compiled decoder layers.
+
+Every path other than the learner's own config gets one warm-up step before the rounds.
 
 ``--micro-tokens`` sets the budget of ``new`` and ``packed``; -1 sizes it from the memory
 free after the models are loaded (``micro_batch_tokens = -1``,
@@ -131,6 +137,8 @@ PATHS = {
 }
 PATHS["packed"] = {**PATHS["new"], "pack_sequences": True}
 PATHS["compiled"] = {**PATHS["packed"], "compile_layers": True}
+PATHS["varlen"] = {**PATHS["packed"], "packed_attention": "varlen"}
+PATHS["compiled_varlen"] = {**PATHS["varlen"], "compile_layers": True}
 """LearnerConfig overrides of each code path (see the module docstring)."""
 
 
@@ -625,19 +633,27 @@ def main() -> None:
     on_gpu = learner.device.type == "cuda"
     learner.set_algorithm(VARIANTS["st_ppo"])
     learner.step(trajectories)  # warm-up (allocator, first touch of the optimizer states)
-    compile_s = None
-    compiling = [p for p in paths if path_config(p, path_configs).get("compile_layers")]
-    if compiling:  # the compile (graphs with and without grad) outside the measured rounds
-        learner.config = base.model_copy(update=path_config(compiling[0], path_configs))
+    # one warm-up step per other code path (its name without the budget): a compiled path
+    # compiles there (graphs with and without grad) and a varlen path loads its kernels,
+    # outside the measured rounds; a path that fails is dropped and the rest still measured
+    # (a GPU window is short)
+    compile_s: dict[str, float] = {}
+    for kind in dict.fromkeys(p.partition("@")[0] for p in paths):
+        if not any(v != getattr(base, k) for k, v in path_config(kind, path_configs).items()):
+            continue  # the warm-up above ran this one (the learner's own config)
+        learner.config = base.model_copy(update=path_config(kind, path_configs))
         t0 = time.perf_counter()
         try:
             learner.step(trajectories)
-        except Exception as error:  # a GPU window is short: measure the other paths
-            print(f"  compile FAILED, paths {compiling} dropped: {error!r}", flush=True)
-            paths = [p for p in paths if p not in compiling]
+        except Exception as error:
+            dropped = [p for p in paths if p.partition("@")[0] == kind]
+            print(f"  warm-up FAILED, paths {dropped} dropped: {error!r}", flush=True)
+            paths = [p for p in paths if p not in dropped]
         else:
-            compile_s = time.perf_counter() - t0
-            print(f"  compile warm-up step [{compiling[0]}]: {compile_s:.1f} s", flush=True)
+            seconds = time.perf_counter() - t0
+            if path_config(kind, path_configs).get("compile_layers"):
+                compile_s[kind] = seconds
+            print(f"  warm-up step [{kind}]: {seconds:.1f} s", flush=True)
         learner.config = base
     times: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
     peaks: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
@@ -752,7 +768,7 @@ def main() -> None:
             "peak_tflops": peak_rate / 1e12 if peak_rate else None,
         },
         "init_s": init_s,
-        "compile_warmup_s": compile_s,
+        "compile_warmup_s": compile_s or None,
         "rss_start_gib": rss_start,
         "rss_after_init_gib": rss_after_init,
         "peak_rss_gib": _peak_rss_gib(),

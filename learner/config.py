@@ -520,6 +520,16 @@ class LearnerConfig(StrictModel):
     the LM head is chunked (``logprob_chunk_tokens > 0`` and a plain head); the
     full-vocabulary path and ``bias_norm = "param"``'s extra forward stay padded."""
 
+    packed_attention: Literal["mask", "varlen"] = "mask"
+    """How a packed forward keeps its trajectories apart (``pack_sequences`` only). ``mask``:
+    rows as wide as the longest trajectory and transformers' ``sdpa`` attention with the
+    dense block-diagonal causal mask it builds from the positions (every row computes
+    W x W scores). ``varlen``: every trajectory of the micro-batch in one row, no row tails,
+    and variable-length attention over their cumulative lengths (:mod:`learner.attention`:
+    torch's FlashAttention varlen kernel on CUDA, one ``scaled_dot_product_attention`` per
+    trajectory elsewhere), each trajectory's causal scores alone. Same values to rounding
+    (losses within 1e-5 in float32)."""
+
     lr_warmup_steps: int = Field(0, ge=0, le=1_000_000)
     """Linear warm-up of the actor and critic learning rates over this many learner steps
     (``lr * min(1, (step + 1) / lr_warmup_steps)``; verl's ``lr_warmup_steps``). A fresh
@@ -568,6 +578,15 @@ class LearnerConfig(StrictModel):
             raise ValueError(
                 f"mini_batch_size ({self.mini_batch_size}) must be a multiple of "
                 f"micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_packed_attention(self) -> LearnerConfig:
+        if self.packed_attention == "varlen" and not self.pack_sequences:
+            raise ValueError(
+                "packed_attention = 'varlen' needs pack_sequences = true (it is the attention "
+                "of the packed layout)"
             )
         return self
 

@@ -229,6 +229,7 @@ def masked_token_stats(
     chunk_tokens: int = 512,
     with_entropy: bool = False,
     packed: bool = False,
+    varlen: bool = False,
 ) -> TokenStats:
     """Log-probs (and entropy) of the response tokens where ``mask`` is 1, chunked.
 
@@ -247,11 +248,14 @@ def masked_token_stats(
         packed: run the forward on the trajectories packed without padding
             (:func:`learner.packing.packed_inputs`) instead of the padded batch; the values
             agree to rounding.
+        varlen: with ``packed``, the varlen layout (every trajectory in one row, kept apart
+            by the varlen attention of :mod:`learner.attention`, to which ``model`` must be
+            switched: :func:`learner.attention.set_varlen_attention`).
 
     Returns:
         :class:`TokenStats` with [B, T] tensors, zero where ``mask`` is 0.
     """
-    inputs = model_inputs(batch, packed)
+    inputs = model_inputs(batch, packed, varlen)
     out = model(
         **inputs.forward_kwargs(),
         logits_to_keep=torch.empty(0, dtype=torch.long, device=batch.input_ids.device),

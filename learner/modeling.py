@@ -10,6 +10,7 @@ contiguous columns ``P-1 .. P+T-2`` and only those go through the LM head / valu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -57,6 +58,7 @@ class ValueModel(nn.Module):
         attention_mask: Tensor | None,
         position_ids: Tensor,
         state_index: Tensor,
+        **attention_kwargs: Any,
     ) -> Tensor:
         """Values of the states in which the policy chose each response token.
 
@@ -66,6 +68,8 @@ class ValueModel(nn.Module):
                 when packed).
             state_index: int64 [B, T], ``ModelInputs.state_index``: the flat column of each
                 response token's state among the R * W outputs.
+            attention_kwargs: passed to the backbone's attention (the varlen layout's
+                segments, ``ModelInputs.forward_kwargs``).
 
         Returns:
             float32 [B, T]: ``values[b, t]`` = V(prefix before response token t).
@@ -75,6 +79,7 @@ class ValueModel(nn.Module):
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,  # with a cache, transformers ignores packed positions
+            **attention_kwargs,
         ).last_hidden_state
         states = hidden.reshape(-1, hidden.shape[-1])[state_index]
         return self.value_head(states).squeeze(-1).float()

@@ -31,7 +31,9 @@ Either layout answers where the output that predicts response token t of row b i
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,12 +55,19 @@ class ModelInputs:
             the forward's output reshaped to [R * W, ...]. Off the response (t >= the row's
             response length) it points at some column of the same trajectory: values there
             are meaningless and masked by the caller, as in the padded layout.
+        cu_seq_lens: int32 [S + 1] (the varlen layout only, else None): cumulative lengths
+            of the S segments (trajectories and row tails) of the flattened R * W tokens,
+            0 first and R * W last; the varlen attention (:mod:`learner.attention`) keeps
+            each segment to itself.
+        max_length: the longest segment (varlen layout; 0 otherwise).
     """
 
     input_ids: Tensor
     attention_mask: Tensor | None
     position_ids: Tensor
     state_index: Tensor
+    cu_seq_lens: Tensor | None = None
+    max_length: int = 0
 
     @property
     def packed(self) -> bool:
@@ -70,13 +79,24 @@ class ModelInputs:
         """R * W, the token slots a forward computes (real tokens plus padding)."""
         return int(self.input_ids.numel())
 
-    def forward_kwargs(self) -> dict[str, Tensor | None]:
-        """``input_ids``, ``attention_mask`` and ``position_ids`` for an HF model call."""
-        return {
+    def forward_kwargs(self) -> dict[str, Any]:
+        """``input_ids``, ``attention_mask`` and ``position_ids`` for an HF model call, and
+        in the varlen layout the segments as transformers' flash-attention keyword
+        arguments (``cu_seq_lens_q/k``, ``max_length_q/k``), which reach every layer's
+        attention function."""
+        kwargs: dict[str, Any] = {
             "input_ids": self.input_ids,
             "attention_mask": self.attention_mask,
             "position_ids": self.position_ids,
         }
+        if self.cu_seq_lens is not None:
+            kwargs.update(
+                cu_seq_lens_q=self.cu_seq_lens,
+                cu_seq_lens_k=self.cu_seq_lens,
+                max_length_q=self.max_length,
+                max_length_k=self.max_length,
+            )
+        return kwargs
 
     def states(self, outputs: Tensor, index: Tensor | None = None) -> Tensor:
         """The outputs that predict response tokens.
@@ -102,11 +122,13 @@ def padded_inputs(batch: TrainingBatch) -> ModelInputs:
     return ModelInputs(batch.input_ids, batch.attention_mask, batch.position_ids, state_index)
 
 
-def pack_rows(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
+def pack_rows(lengths: list[int], width: int | None = None) -> tuple[int, list[tuple[int, int]]]:
     """First-fit-decreasing placement of sequences into rows as wide as the longest one.
 
     Args:
         lengths: tokens of each sequence (>= 1 each).
+        width: the row width instead of the longest length (>= it): ``sum(lengths)`` puts
+            every sequence into one row, longest first.
 
     Returns:
         ``(width, places)``: the row width W = max(lengths) and, per sequence in input
@@ -121,7 +143,10 @@ def pack_rows(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
     """
     if not lengths or min(lengths) < 1:
         raise ValueError(f"lengths must be a non-empty list of positive ints, got {lengths}")
-    width = max(lengths)
+    if width is None:
+        width = max(lengths)
+    elif width < max(lengths):
+        raise ValueError(f"width {width} is narrower than the longest sequence ({max(lengths)})")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     used: list[int] = []
     places: list[tuple[int, int]] = [(0, 0)] * len(lengths)
@@ -137,14 +162,17 @@ def pack_rows(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
     return width, places
 
 
-def packed_inputs(batch: TrainingBatch) -> ModelInputs:
+def packed_inputs(batch: TrainingBatch, varlen: bool = False) -> ModelInputs:
     """The batch's trajectories packed without padding (module docstring).
 
     Args:
         batch: a (micro-)batch in the padded layout; every row has >= 1 prompt token.
+        varlen: the varlen layout: every trajectory in one row, longest first, no tail
+            (the attention keeps them apart by ``cu_seq_lens``, not by a mask over rows).
 
     Returns:
-        :class:`ModelInputs` with ``attention_mask = None``, on the batch's device.
+        :class:`ModelInputs` with ``attention_mask = None``, on the batch's device; with
+        ``varlen`` one row and ``cu_seq_lens`` set.
 
     Raises:
         ValueError: a row without prompt tokens (no column predicts its first response token).
@@ -156,7 +184,7 @@ def packed_inputs(batch: TrainingBatch) -> ModelInputs:
     if min(prompt_lengths) < 1:
         raise ValueError("every row needs at least one prompt token to be packed")
     lengths = [p + r for p, r in zip(prompt_lengths, response_lengths, strict=True)]
-    width, places = pack_rows(lengths)
+    width, places = pack_rows(lengths, sum(lengths) if varlen else None)
     num_rows = 1 + max(row for row, _ in places)
     # the flat column of the padded batch each packed slot takes its id from; -1 on the
     # rows' tails (their ids are never read: 0)
@@ -183,9 +211,23 @@ def packed_inputs(batch: TrainingBatch) -> ModelInputs:
     device = batch.input_ids.device
     source = source.to(device)
     input_ids = batch.input_ids.flatten()[source.clamp(min=0)].masked_fill(source < 0, 0)
-    return ModelInputs(input_ids, None, position_ids.to(device), state_index.to(device))
+    cu_seq_lens, max_length = None, 0
+    if varlen:  # segments start where positions restart (built here, on the host)
+        flat = position_ids.flatten()
+        starts = [*(flat == 0).nonzero().flatten().tolist(), flat.numel()]
+        max_length = max(b - a for a, b in itertools.pairwise(starts))
+        cu_seq_lens = torch.tensor(starts, dtype=torch.int32, device=device)
+    return ModelInputs(
+        input_ids,
+        None,
+        position_ids.to(device),
+        state_index.to(device),
+        cu_seq_lens,
+        max_length,
+    )
 
 
-def model_inputs(batch: TrainingBatch, packed: bool) -> ModelInputs:
-    """:func:`packed_inputs` if ``packed`` else :func:`padded_inputs`."""
-    return packed_inputs(batch) if packed else padded_inputs(batch)
+def model_inputs(batch: TrainingBatch, packed: bool, varlen: bool = False) -> ModelInputs:
+    """:func:`packed_inputs` (``varlen``: its varlen layout) if ``packed`` else
+    :func:`padded_inputs`."""
+    return packed_inputs(batch, varlen) if packed else padded_inputs(batch)

@@ -399,7 +399,7 @@ class SupervisedMixin:
                 token.
         """
         start = time.perf_counter()
-        self.layer_compiler.set(self.config.compile_layers)
+        self._set_forward_options()
         batch = collate_trajectories(list(trajectories), self.pad_token_id)
         denominator = float(batch.num_policy_tokens)
         total, finite = 0.0, True

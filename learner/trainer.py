@@ -87,6 +87,7 @@ from actors.hardware import resolve_dtype
 from actors.trajectory import Trajectory
 from learner import advantages as adv_fns
 from learner import corrections, losses
+from learner.attention import set_varlen_attention
 from learner.batch import (
     CPU_AUTO_TOKEN_BUDGET,
     OPTIMIZER_BYTES_PER_PARAMETER,
@@ -303,8 +304,10 @@ class Learner(CheckpointMixin, SupervisedMixin):
         if config.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
             critic.gradient_checkpointing_enable()
-        self.layer_compiler = LayerCompiler([policy, critic, reference])
-        self.layer_compiler.set(config.compile_layers)
+        self._models = [policy, critic, reference]  # the engines' modules
+        self.layer_compiler = LayerCompiler(self._models)
+        self._attention_default = str(policy.config._attn_implementation)
+        self._set_forward_options()
         self.policy_engine = self._initialize(deepspeed, policy, config.actor_lr)
         self.critic_engine = self._initialize(deepspeed, critic, config.critic_lr)
         self.reference_engine, *_ = deepspeed.initialize(
@@ -316,6 +319,17 @@ class Learner(CheckpointMixin, SupervisedMixin):
         self.memory_probe = MemoryProbe()
 
     # ------------------------------------------------------------------ control
+
+    @property
+    def _varlen(self) -> bool:
+        """Whether forwards use the varlen layout (``packed_attention = "varlen"``)."""
+        return self.config.pack_sequences and self.config.packed_attention == "varlen"
+
+    def _set_forward_options(self) -> None:
+        """Apply the config's compiled layers and attention implementation to the policy,
+        critic and reference (at start-up and at every step: the config can change)."""
+        self.layer_compiler.set(self.config.compile_layers)
+        set_varlen_attention(self._models, self._varlen, default=self._attention_default)
 
     def _initialize(self, deepspeed: Any, model: torch.nn.Module, lr: float) -> Any:
         """A DeepSpeed engine with AdamW for ``model``: fused (built here, on the model's
@@ -541,7 +555,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
             ValueError: a trajectory that fails :meth:`Trajectory.validate`.
         """
         start = time.perf_counter()
-        self.layer_compiler.set(self.config.compile_layers)
+        self._set_forward_options()
         algorithm = self.algorithm
         selection = self._select(trajectories, algorithm)
         batch = collate_trajectories(selection.kept, self.pad_token_id)
@@ -768,6 +782,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
                 chunk_tokens=chunk,
                 with_entropy=with_entropy,
                 packed=self.config.pack_sequences,
+                varlen=self._varlen,
             )
         logits = response_logits(engine, micro, self.temperature)
         logprobs = token_logprobs(logits, micro.response_ids)
@@ -780,10 +795,8 @@ class Learner(CheckpointMixin, SupervisedMixin):
     def _values(self, micro: TrainingBatch) -> Tensor:
         """float32 [b, T] critic values of ``micro``'s response tokens (packed or padded as
         ``config.pack_sequences`` says)."""
-        inputs = model_inputs(micro, self.config.pack_sequences)
-        return self.critic_engine(
-            inputs.input_ids, inputs.attention_mask, inputs.position_ids, inputs.state_index
-        )
+        inputs = model_inputs(micro, self.config.pack_sequences, self._varlen)
+        return self.critic_engine(**inputs.forward_kwargs(), state_index=inputs.state_index)
 
     def _compute_advantages(self, batch: TrainingBatch, algorithm: BaseModel) -> None:
         """Token rewards and advantages (and returns for critic variants), in place."""

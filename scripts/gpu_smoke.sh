@@ -18,10 +18,10 @@
 #       The --learner install, the CUDA packing, budget and compile tests, and the learner at
 #       a size users train: random SmolLM2-1.7B shapes, policy + critic + reference, bf16
 #       ZeRO-2, 64 trajectories; st_ppo and so_grpo on the chunked path (micro-batches of 4),
-#       the packed path (a budget sized from GPU memory) and the packed path with compiled
-#       decoder layers (4,096 real tokens per micro-batch, and the memory-sized budget), side
-#       by side, with the share of the bf16 peak and peak memory (151 s on an H200 before
-#       `compiled`). --with-3b adds one st_ppo step at a Llama-3.2-3B shape with gradient
+#       packed rows with compiled decoder layers, one row per micro-batch with the varlen
+#       attention (eager, and compiled at 8,192 tokens and at the memory-sized budget), side
+#       by side, with the share of the bf16 peak and peak memory (280 s on an H200 with
+#       the install and the tests, before `varlen`). --with-3b adds one st_ppo step at a Llama-3.2-3B shape with gradient
 #       checkpointing and packed micro-batches of 8,192 tokens (a GPU of 140 GiB: the 3B
 #       policy and critic with their AdamW states take ~127 GiB, the step peaks near 132).
 #   scripts/gpu_smoke.sh --job [--bundle DIR] [--out DIR]
@@ -179,11 +179,14 @@ if [[ "$MODE" == scale ]]; then
   run tests_gpu "${PYTEST[@]}" --junitxml="$DETAILS/tests_gpu.xml" \
     -k "packed or budget or compiled" tests/gpu/test_learner_cuda.py
   # the issue-46 batch: 64 trajectories spread like the main job's, 4 optimizer steps;
-  # compiled: packed with inductor-compiled decoder layers (compiled once, before the rounds);
-  # --profile: one more packed st_ppo step (the last path), its CUDA kernel time by category
+  # compiled: packed rows with inductor-compiled decoder layers; varlen: one row per
+  # micro-batch and torch's FlashAttention varlen kernel (each path warmed up once before
+  # the rounds); @8192 a budget under the chunked path's memory;
+  # --profile: one more st_ppo step of the last path, its CUDA kernel time by category
   run scale_1.7b "$PY" benchmarks/learner_step.py --shape 1.7b --model "$MODEL" \
     --dtype bf16 --zero-stage 2 --repeats 2 --batch 64 --mini 16 --micro 4 \
-    --micro-tokens -1 --variants st_ppo,so_grpo --paths chunked,compiled@4096,compiled,packed \
+    --micro-tokens -1 --variants st_ppo,so_grpo \
+    --paths chunked,compiled,varlen,compiled_varlen@8192,compiled_varlen \
     --no-sft \
     --profile \
     --out "$DETAILS/scale_1.7b.json"

@@ -79,13 +79,21 @@ def test_nonfinite_batch_is_skipped_on_cuda_bf16(tiny_llama_dir: Path):
     assert clean.skipped_steps == 0
 
 
+LAYOUTS = {
+    "padded": {},
+    "packed": {"pack_sequences": True},
+    "varlen": {"pack_sequences": True, "packed_attention": "varlen"},
+}
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_packed_step_on_cuda_equals_padded(tiny_llama_dir: Path, dtype: str):
-    """Sequence packing on CUDA (transformers' packed mask through the CUDA attention
-    kernels, fused AdamW): one step on uneven trajectories gives the padded step's losses,
-    within 1e-5 in float32 and bf16 rounding in bf16."""
+    """Sequence packing on CUDA, with transformers' packed mask through the CUDA attention
+    kernels and with the varlen attention (torch's FlashAttention varlen kernel in bf16,
+    the per-segment loop in float32), fused AdamW: one step on uneven trajectories gives
+    the padded step's losses, within 1e-5 in float32 and bf16 rounding in bf16."""
     metrics = {}
-    for packed in (False, True):
+    for layout, overrides in LAYOUTS.items():
         learner = Learner(
             tiny_llama_dir,
             config(
@@ -94,15 +102,44 @@ def test_packed_step_on_cuda_equals_padded(tiny_llama_dir: Path, dtype: str):
                 train_batch_size=6,
                 mini_batch_size=6,
                 micro_batch_size=6,
-                pack_sequences=packed,
+                **overrides,
             ),
             PPOConfig(),
             seed=0,
         )
-        metrics[packed] = learner.step(make_uneven_batch())
+        metrics[layout] = learner.step(make_uneven_batch())
     tolerance = 1e-5 if dtype == "fp32" else 2e-2
-    for key in ("pg_loss", "value_loss", "kl_ref", "entropy", "advantage_mean"):
-        assert metrics[True][key] == pytest.approx(metrics[False][key], abs=tolerance), key
+    for layout in ("packed", "varlen"):
+        for key in ("pg_loss", "value_loss", "kl_ref", "entropy", "advantage_mean"):
+            want, got = metrics["padded"][key], metrics[layout][key]
+            assert got == pytest.approx(want, abs=tolerance), (layout, key)
+
+
+def test_packed_varlen_kernel_on_cuda_equals_segments():
+    """torch's FlashAttention varlen kernel is there (torch >= 2.10 on CUDA) and computes
+    the per-segment causal attention (the CPU twin) to bf16 rounding, with grouped-query
+    heads, forward and backward."""
+    from learner.attention import segment_attention, varlen_kernel
+
+    kernel = varlen_kernel()
+    assert kernel is not None, f"torch {torch.__version__} has no usable varlen_attn"
+    torch.manual_seed(0)
+    lengths = [700, 1, 129, 64, 300]
+    total = sum(lengths)
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(total, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(total, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(total, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cot = torch.randn(total, 8, 64, device="cuda", dtype=torch.bfloat16)
+    outputs, grads = [], []
+    for attend in (lambda: kernel(q, k, v, cu, max(lengths), None),
+                   lambda: segment_attention(q, k, v, cu, None)):  # fmt: skip
+        out = attend()
+        outputs.append(out.float())
+        grads.append([g.float() for g in torch.autograd.grad((out * cot).sum(), (q, k, v))])
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=2e-2)
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=5e-2 * float(want.abs().max()))
 
 
 def test_compiled_layers_on_cuda_equal_eager(tiny_llama_dir: Path):

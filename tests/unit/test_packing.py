@@ -9,8 +9,9 @@ import pytest
 import torch
 from learner_factories import make_tiny_learner, make_trajectory, make_uneven_batch
 
+from learner.attention import VARLEN, segment_attention, set_varlen_attention
 from learner.batch import collate_trajectories, token_budget_micro_batches
-from learner.config import GRPOConfig, PPOConfig
+from learner.config import GRPOConfig, LearnerConfig, PPOConfig
 from learner.logprobs import lm_head_of, masked_token_stats
 from learner.modeling import ValueModel
 from learner.packing import pack_rows, packed_inputs, padded_inputs
@@ -154,25 +155,146 @@ def test_packing_breaks_without_the_block_mask(tiny_llama_dir):
     assert (good - cached).abs().max() > 1e-2
 
 
+def test_varlen_layout_is_one_row_of_segments():
+    """The varlen layout: every trajectory in one row, longest first, no tail; its
+    segments (``cu_seq_lens``) are the trajectories' lengths, and transformers gets them
+    as its flash-attention keyword arguments."""
+    batch = collate_trajectories(make_uneven_batch(), pad_token_id=0)
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    inputs = packed_inputs(batch, varlen=True)
+    assert inputs.input_ids.shape == (1, sum(lengths))
+    assert inputs.slots == sum(lengths)
+    ordered = sorted(lengths, reverse=True)
+    assert inputs.cu_seq_lens.dtype == torch.int32
+    assert inputs.cu_seq_lens.tolist() == [0, *np.cumsum(ordered).tolist()]
+    assert inputs.max_length == max(lengths)
+    kwargs = inputs.forward_kwargs()
+    assert kwargs["cu_seq_lens_q"] is kwargs["cu_seq_lens_k"] is inputs.cu_seq_lens
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == max(lengths)
+    assert "cu_seq_lens_q" not in packed_inputs(batch).forward_kwargs()
+
+
+def test_segment_attention_equals_block_masked_attention():
+    """The CPU twin of the varlen kernel: each segment's causal attention alone equals one
+    attention over all tokens with the block-diagonal causal mask (grouped-query heads)."""
+    torch.manual_seed(0)
+    lengths = [5, 1, 7, 3]
+    total, heads, kv_heads, dim = sum(lengths), 4, 2, 8
+    q = torch.randn(total, heads, dim)
+    k, v = torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    position = torch.arange(total)
+    allowed = (segment[:, None] == segment[None, :]) & (position[:, None] >= position[None, :])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(2, dim=1).transpose(0, 1),
+        v.repeat_interleave(2, dim=1).transpose(0, 1),
+        attn_mask=allowed,
+    ).transpose(0, 1)
+    torch.testing.assert_close(segment_attention(q, k, v, cu, None), want, rtol=0, atol=1e-6)
+
+
+def test_varlen_forward_equals_padded(tiny_llama_dir):
+    """A model switched to the varlen attention: the varlen layout's log-probs, entropy,
+    their gradients and the critic's values equal the padded forward's in float32; a
+    padded forward of the switched model is unchanged (transformers' sdpa with the mask);
+    the one row without its segments lets trajectories attend to each other (what the
+    segments prevent)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    head = lm_head_of(model)
+    batch = collate_trajectories(make_uneven_batch(), pad_token_id=0)
+    mask = batch.loss_mask
+
+    def stats(packed: bool, varlen: bool):
+        return masked_token_stats(
+            model,
+            batch,
+            mask,
+            head,
+            temperature=0.9,
+            chunk_tokens=5,
+            with_entropy=True,
+            packed=packed,
+            varlen=varlen,
+        )
+
+    padded = stats(False, False)
+    set_varlen_attention([model], True)
+    assert model.config._attn_implementation == VARLEN
+    varlen = stats(True, True)
+    padded_switched = stats(False, False)
+    torch.testing.assert_close(varlen.logprobs, padded.logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(varlen.entropy, padded.entropy, rtol=0, atol=1e-5)
+    torch.testing.assert_close(padded_switched.logprobs, padded.logprobs, rtol=0, atol=1e-6)
+    params = list(model.parameters())
+    cot = torch.randn(mask.shape)
+    grads = [
+        torch.autograd.grad(((s.logprobs - 0.1 * s.entropy) * cot).sum(), params)
+        for s in (padded, varlen)
+    ]
+    for want, got in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+    inputs = packed_inputs(batch, varlen=True)
+    with torch.no_grad():
+        kwargs = inputs.forward_kwargs()
+        good = model(**kwargs, use_cache=False).logits
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+            del kwargs[key]
+        joined = model(**kwargs, use_cache=False).logits
+    assert (good - joined).abs().max() > 1e-2
+
+    critic = ValueModel(model.model, model.config.hidden_size)
+    torch.nn.init.normal_(critic.value_head.weight)
+    with torch.no_grad():
+        values = critic(**inputs.forward_kwargs(), state_index=inputs.state_index)
+        set_varlen_attention([critic], False)
+        assert model.config._attn_implementation == "sdpa"
+        plain = padded_inputs(batch)
+        want = critic(**plain.forward_kwargs(), state_index=plain.state_index)
+    real = batch.response_mask.bool()
+    torch.testing.assert_close(values[real], want[real], rtol=0, atol=1e-5)
+
+
+def test_varlen_attention_needs_packed_sequences():
+    with pytest.raises(ValueError, match="packed_attention = 'varlen' needs pack_sequences"):
+        LearnerConfig(packed_attention="varlen")
+    LearnerConfig(packed_attention="varlen", pack_sequences=True)
+
+
+LAYOUTS = {"padded": {}, "packed": {"pack_sequences": True}}
+LAYOUTS["varlen"] = {**LAYOUTS["packed"], "packed_attention": "varlen"}
+
+
 @pytest.mark.parametrize("algorithm", [PPOConfig(), GRPOConfig()], ids=["ppo_critic", "grpo"])
 def test_learner_step_losses_packed_equal_padded(algorithm, tiny_llama_dir):
     """One learner step (reference, critic, policy forwards and backwards, optimizer step)
-    on uneven trajectories, packed and padded, in float32: every loss and statistic within
-    1e-5, and the updated policy within rounding."""
+    on uneven trajectories, padded, packed with the block mask and packed with the varlen
+    attention, in float32: every loss and statistic within 1e-5, and the updated policy
+    within rounding."""
     results = {}
-    for packed in (False, True):
+    for layout, overrides in LAYOUTS.items():
         learner = make_tiny_learner(
             tiny_llama_dir,
             algorithm,
             train_batch_size=6,
             mini_batch_size=6,
             micro_batch_size=6,
-            pack_sequences=packed,
+            **overrides,
         )
         metrics = learner.step(make_uneven_batch())
         params = {n: p.detach().clone() for n, p in learner.policy_engine.module.named_parameters()}
-        results[packed] = (metrics, params)
-    padded, packed = results[False][0], results[True][0]
+        results[layout] = (metrics, params)
+    for layout in ("packed", "varlen"):
+        _check_step_equal(results["padded"], results[layout])
+
+
+def _check_step_equal(padded_result, packed_result):
+    padded, packed = padded_result[0], packed_result[0]
     keys = (
         "pg_loss",
         "value_loss",
@@ -191,5 +313,5 @@ def test_learner_step_losses_packed_equal_padded(algorithm, tiny_llama_dir):
             assert np.isnan(got), key
             continue
         assert got == pytest.approx(want, abs=1e-5), key
-    for name, want in results[False][1].items():
-        torch.testing.assert_close(results[True][1][name], want, rtol=1e-4, atol=1e-6)
+    for name, want in padded_result[1].items():
+        torch.testing.assert_close(packed_result[1][name], want, rtol=1e-4, atol=1e-6)
