@@ -25,7 +25,13 @@ longest trajectory, so the attention work (rows * W^2 with a dense mask) never e
 padded layout's (B * L^2), and the linear layers compute ``rows * W`` slots instead of
 ``B * L``.
 
-Either layout answers where the output that predicts response token t of row b is:
+The varlen layout (``learner.packed_attention = "varlen"``) puts every trajectory into one
+row, longest first, with no tail, and gives the forward the trajectories' cumulative
+lengths (``ModelInputs.cu_seq_lens``) for the variable-length attention of
+:mod:`learner.attention`, which computes each trajectory's causal attention alone: no
+dense mask, and ``sum(n_b^2) / 2`` scores instead of ``rows * W^2``.
+
+Each layout answers where the output that predicts response token t of row b is:
 ``state_index[b, t]``, a flat index into the forward's ``[rows * width]`` outputs.
 """
 
