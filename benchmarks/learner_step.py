@@ -111,6 +111,7 @@ import torch  # noqa: E402
 
 from actors.prompts import prompt_ids  # noqa: E402
 from actors.trajectory import Trajectory  # noqa: E402
+from learner.attention import varlen_kernel  # noqa: E402
 from learner.batch import collate_trajectories  # noqa: E402
 from learner.config import (  # noqa: E402
     VARIANT_CONFIGS,
@@ -610,7 +611,9 @@ def main() -> None:
         f"tokens ({num_policy} policy; {padded_tokens(trajectories, args.micro)} in padded "
         f"micro-batches of {args.micro}); shape {args.shape or '135m'}, "
         f"{num_parameters / 1e9:.2f} B "
-        f"parameters, fused AdamW {use_fused_adamw(learner.config)}, memory token budget "
+        f"parameters, fused AdamW {use_fused_adamw(learner.config)}, varlen attention "
+        f"{'FlashAttention kernel' if learner.device.type == 'cuda' and varlen_kernel() else 'per-trajectory SDPA'}, "
+        f"memory token budget "
         f"{learner.auto_micro_batch_tokens}",
         flush=True,
     )
@@ -778,6 +781,7 @@ def main() -> None:
         "shape": args.shape or "135m",
         "parameters": num_parameters,
         "fused_adamw": use_fused_adamw(learner.config),
+        "varlen_kernel": learner.device.type == "cuda" and varlen_kernel() is not None,
         "auto_micro_batch_tokens": learner.auto_micro_batch_tokens,
         "rows": rows,
         "profile": profile,

@@ -21,7 +21,8 @@
 #       packed rows with compiled decoder layers, one row per micro-batch with the varlen
 #       attention (eager, and compiled at 8,192 tokens and at the memory-sized budget), side
 #       by side, with the share of the bf16 peak and peak memory (280 s on an H200 with
-#       the install and the tests, before `varlen`). --with-3b adds one st_ppo step at a Llama-3.2-3B shape with gradient
+#       the install and the tests, before `varlen`).
+#       --with-3b adds one st_ppo step at a Llama-3.2-3B shape with gradient
 #       checkpointing and packed micro-batches of 8,192 tokens (a GPU of 140 GiB: the 3B
 #       policy and critic with their AdamW states take ~127 GiB, the step peaks near 132).
 #   scripts/gpu_smoke.sh --job [--bundle DIR] [--out DIR]
@@ -293,9 +294,10 @@ for name in ("learner_step", "learner_step_b64", "scale_1.7b", "scale_3b"):
     }
     peak = bench["matmul"].get("peak_tflops") or float("nan")
     if "shape" in bench:
-        figures[name].update({k: bench.get(k) for k in ("shape", "parameters", "fused_adamw", "auto_micro_batch_tokens")})
+        figures[name].update({k: bench.get(k) for k in ("shape", "parameters", "fused_adamw", "varlen_kernel", "auto_micro_batch_tokens")})
         lines.append(f"  {name}: shape {bench['shape']}, {bench['parameters'] / 1e9:.2f} B parameters, "
-                     f"fused AdamW {bench['fused_adamw']}, memory token budget {bench['auto_micro_batch_tokens']}")
+                     f"fused AdamW {bench['fused_adamw']}, varlen kernel {bench.get('varlen_kernel')}, "
+                     f"memory token budget {bench['auto_micro_batch_tokens']}")
     lines.append(f"  {name}: {bench['batch']['trajectories']} trajectories, {bench['batch']['tokens']} "
                  f"tokens/step, bf16 ZeRO-{bench['config']['zero_stage']}, peak GPU allocated "
                  f"{bench['peak_gpu_allocated_gib']:.2f} GiB, init {bench['init_s']:.1f} s, "
