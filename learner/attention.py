@@ -141,13 +141,14 @@ def varlen_attention_forward(
         dropout: must be 0 with ``cu_seq_lens_q`` (training here uses none).
         scaling: the softmax scale.
         kwargs: ``cu_seq_lens_q`` (int32 [S + 1], cumulative segment lengths over the B * L
-            tokens) and ``max_length_q`` (int, the longest segment), or neither.
+            tokens, 0 first and B * L last: not checked, which would wait for the GPU) and
+            ``max_length_q`` (int, the longest segment), or neither.
 
     Returns:
         ``(output [B, L, H, D], None)``, as transformers' attention functions return.
 
     Raises:
-        ValueError: ``cu_seq_lens_q`` with dropout, or not ending at B * L.
+        ValueError: ``cu_seq_lens_q`` with dropout.
     """
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
