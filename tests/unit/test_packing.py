@@ -81,6 +81,21 @@ def test_token_budget_counts_real_tokens_when_packed():
     assert token_budget_micro_batches(range(3), prompts, responses, 70) == [[0], [2], [1]]
 
 
+def _token_stats(model, batch, packed: bool, varlen: bool = False):
+    """Chunked log-probs and entropy of the batch's policy tokens (temperature 0.9)."""
+    return masked_token_stats(
+        model,
+        batch,
+        batch.loss_mask,
+        lm_head_of(model),
+        temperature=0.9,
+        chunk_tokens=5,
+        with_entropy=True,
+        packed=packed,
+        varlen=varlen,
+    )
+
+
 def test_packed_forward_equals_padded(tiny_llama_dir):
     """Log-probs, entropy and their gradients (the policy), and values (the critic) of the
     packed forward equal the padded forward's in float32; the packed batch computes fewer
@@ -89,23 +104,10 @@ def test_packed_forward_equals_padded(tiny_llama_dir):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    head = lm_head_of(model)
     batch = collate_trajectories(make_uneven_batch(), pad_token_id=0)
     assert packed_inputs(batch).slots < 0.85 * padded_inputs(batch).slots
     mask = batch.loss_mask
-    stats = {
-        packed: masked_token_stats(
-            model,
-            batch,
-            mask,
-            head,
-            temperature=0.9,
-            chunk_tokens=5,
-            with_entropy=True,
-            packed=packed,
-        )
-        for packed in (False, True)
-    }
+    stats = {packed: _token_stats(model, batch, packed) for packed in (False, True)}
     torch.testing.assert_close(stats[True].logprobs, stats[False].logprobs, rtol=0, atol=1e-5)
     torch.testing.assert_close(stats[True].entropy, stats[False].entropy, rtol=0, atol=1e-5)
     params = list(model.parameters())
@@ -205,28 +207,13 @@ def test_varlen_forward_equals_padded(tiny_llama_dir):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    head = lm_head_of(model)
     batch = collate_trajectories(make_uneven_batch(), pad_token_id=0)
     mask = batch.loss_mask
-
-    def stats(packed: bool, varlen: bool):
-        return masked_token_stats(
-            model,
-            batch,
-            mask,
-            head,
-            temperature=0.9,
-            chunk_tokens=5,
-            with_entropy=True,
-            packed=packed,
-            varlen=varlen,
-        )
-
-    padded = stats(False, False)
+    padded = _token_stats(model, batch, packed=False)
     set_varlen_attention([model], True)
     assert model.config._attn_implementation == VARLEN
-    varlen = stats(True, True)
-    padded_switched = stats(False, False)
+    varlen = _token_stats(model, batch, packed=True, varlen=True)
+    padded_switched = _token_stats(model, batch, packed=False)
     torch.testing.assert_close(varlen.logprobs, padded.logprobs, rtol=0, atol=1e-5)
     torch.testing.assert_close(varlen.entropy, padded.entropy, rtol=0, atol=1e-5)
     torch.testing.assert_close(padded_switched.logprobs, padded.logprobs, rtol=0, atol=1e-6)
