@@ -111,7 +111,7 @@ import torch  # noqa: E402
 
 from actors.prompts import prompt_ids  # noqa: E402
 from actors.trajectory import Trajectory  # noqa: E402
-from learner.attention import varlen_kernel  # noqa: E402
+from learner.attention import uses_varlen_kernel  # noqa: E402
 from learner.batch import collate_trajectories  # noqa: E402
 from learner.config import (  # noqa: E402
     VARIANT_CONFIGS,
@@ -605,6 +605,7 @@ def main() -> None:
     names = [n for n in args.variants.split(",") if n] + ([] if args.no_sft else ["sft"])
     paths = args.paths.split(",")
     base = learner.config
+    varlen_on_kernel = uses_varlen_kernel(learner.device, learner.dtype_choice.torch_dtype)
     print(
         f"init {init_s:.1f} s, RSS {rss_after_init:.2f} GiB; dtype {learner.dtype_choice.name}, "
         f"threads {torch.get_num_threads()}; {len(trajectories)} trajectories, {num_tokens} "
@@ -612,7 +613,7 @@ def main() -> None:
         f"micro-batches of {args.micro}); shape {args.shape or '135m'}, "
         f"{num_parameters / 1e9:.2f} B "
         f"parameters, fused AdamW {use_fused_adamw(learner.config)}, varlen attention "
-        f"{'FlashAttention kernel' if learner.device.type == 'cuda' and varlen_kernel() else 'per-trajectory SDPA'}, "
+        f"{'FlashAttention kernel' if varlen_on_kernel else 'per-trajectory SDPA'}, "
         f"memory token budget "
         f"{learner.auto_micro_batch_tokens}",
         flush=True,
@@ -781,7 +782,7 @@ def main() -> None:
         "shape": args.shape or "135m",
         "parameters": num_parameters,
         "fused_adamw": use_fused_adamw(learner.config),
-        "varlen_kernel": learner.device.type == "cuda" and varlen_kernel() is not None,
+        "varlen_kernel": varlen_on_kernel,
         "auto_micro_batch_tokens": learner.auto_micro_batch_tokens,
         "rows": rows,
         "profile": profile,

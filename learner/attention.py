@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 VARLEN = "stppo_varlen"
 """The attention implementation name this module registers with transformers."""
@@ -92,6 +93,12 @@ _VARLEN_KERNEL = _resolve_varlen_kernel()  # a module global: compiled attention
 def varlen_kernel() -> Callable[..., Tensor] | None:
     """The varlen kernel (:func:`_resolve_varlen_kernel`), None where torch has none."""
     return _VARLEN_KERNEL
+
+
+def uses_varlen_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether varlen attention on ``device`` in ``dtype`` runs torch's FlashAttention
+    kernel (CUDA, 16-bit, a torch that has it) rather than :func:`segment_attention`."""
+    return device.type == "cuda" and dtype in _KERNEL_DTYPES and _VARLEN_KERNEL is not None
 
 
 def segment_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, scale) -> Tensor:
@@ -163,9 +170,8 @@ def varlen_attention_forward(
         x.transpose(1, 2).reshape(rows * width, x.shape[1], head_dim) for x in (query, key, value)
     )
     # FlashAttention computes in 16 bits only: float32 takes the per-segment loop
-    kernel = _VARLEN_KERNEL if q.is_cuda and q.dtype in _KERNEL_DTYPES else None
-    if kernel is not None:  # (max_length_q as given: an int, symbolic when compiled)
-        out = kernel(q, k, v, cu, kwargs["max_length_q"], scaling)
+    if uses_varlen_kernel(q.device, q.dtype):  # (max_length_q as given: symbolic when compiled)
+        out = _VARLEN_KERNEL(q, k, v, cu, kwargs["max_length_q"], scaling)
     else:
         out = segment_attention(q, k, v, cu, scaling)
     return out.reshape(rows, width, heads, head_dim), None
@@ -184,9 +190,6 @@ def _varlen_mask(*args: Any, attention_mask: Tensor | None = None, **kwargs: Any
 def register() -> str:
     """Register :data:`VARLEN` with transformers' attention and mask interfaces (once);
     returns the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN, _varlen_mask)
     return VARLEN

@@ -62,9 +62,8 @@ class ModelInputs:
             response length) it points at some column of the same trajectory: values there
             are meaningless and masked by the caller, as in the padded layout.
         cu_seq_lens: int32 [S + 1] (the varlen layout only, else None): cumulative lengths
-            of the S segments (trajectories and row tails) of the flattened R * W tokens,
-            0 first and R * W last; the varlen attention (:mod:`learner.attention`) keeps
-            each segment to itself.
+            of the S trajectories of its one row, in row order, 0 first and W last; the
+            varlen attention (:mod:`learner.attention`) keeps each to itself.
         max_length: the longest segment (varlen layout; 0 otherwise).
     """
 

@@ -9,7 +9,13 @@ import pytest
 import torch
 from learner_factories import make_tiny_learner, make_trajectory, make_uneven_batch
 
-from learner.attention import VARLEN, segment_attention, set_varlen_attention
+from learner.attention import (
+    VARLEN,
+    segment_attention,
+    set_varlen_attention,
+    uses_varlen_kernel,
+    varlen_kernel,
+)
 from learner.batch import collate_trajectories, token_budget_micro_batches
 from learner.config import GRPOConfig, LearnerConfig, PPOConfig
 from learner.logprobs import lm_head_of, masked_token_stats
@@ -43,6 +49,9 @@ def test_pack_rows_rejects_bad_lengths():
         pack_rows([])
     with pytest.raises(ValueError, match="positive"):
         pack_rows([3, 0])
+    with pytest.raises(ValueError, match="width 4 is narrower than the longest sequence"):
+        pack_rows([3, 5], width=4)
+    assert pack_rows([3, 5, 2], width=10) == (10, [(0, 5), (0, 0), (0, 8)])
 
 
 def test_packed_inputs_hand_checked():
@@ -195,6 +204,16 @@ def test_segment_attention_equals_block_masked_attention():
         attn_mask=allowed,
     ).transpose(0, 1)
     torch.testing.assert_close(segment_attention(q, k, v, cu, None), want, rtol=0, atol=1e-6)
+
+
+def test_varlen_kernel_only_on_cuda_in_16_bits():
+    """torch's FlashAttention kernel computes in 16 bits on CUDA: everything else (the CPU,
+    float32 on CUDA) takes the per-trajectory loop."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not uses_varlen_kernel(cpu, torch.bfloat16)
+    assert not uses_varlen_kernel(cuda, torch.float32)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert uses_varlen_kernel(cuda, dtype) == (varlen_kernel() is not None)
 
 
 def test_varlen_forward_equals_padded(tiny_llama_dir):
