@@ -30,7 +30,7 @@ staleness, the share of steps with ``||C|| = 0`` (nothing clipped) and above 1
 (:class:`BiasNormDistribution`), and its empirical distribution (figure).
 
 Outputs (:func:`write_leaderboards`): ``leaderboard.json``, ``leaderboard.md``,
-``leaderboard_intervals.png``, ``leaderboard_curves.png`` (success, malformed share and KL
+``leaderboard_summary.md`` (the short tables of the results page), ``leaderboard_intervals.png``, ``leaderboard_curves.png`` (success, malformed share and KL
 per step, mean and a band of +-1 sd over seeds) and ``leaderboard_bias_norm.png``. Under
 each leaderboard, its power (:func:`board_power`): the pooled sd over seeds and the
 smallest difference between two cells that 5 and 10 seeds per cell detect.
@@ -487,6 +487,60 @@ def leaderboard_markdown(
     return "\n".join(out) + "\n"
 
 
+SHORT_LABELS: dict[str, str] = {
+    "clip_ratio": "clipped",
+    "token_bound_ratio": "token bound",
+    "behavior_weight_capped": "TIS",
+    "behavior_masked": "MIS",
+    "m2po_masked": "M2PO",
+}
+"""The summary's short name of each :data:`SHARES` mechanism."""
+
+ACTED_MIN = 5e-5
+"""The smallest token share the summary names (0.005%; smaller reads "0.00%")."""
+
+
+def acted_on(row: LeaderboardRow) -> str:
+    """What the stabilisers of a cell did, in a few words: each mechanism's mean share of
+    policy tokens where it is at least :data:`ACTED_MIN`, and ST-PPO's scale where it fell
+    below 1 (its minimum, and the share of steps below 1); ``"nothing"`` otherwise."""
+    parts = [f"{SHORT_LABELS[key]} {_pct(row.shares[key])}" for key, _ in SHARES
+             if not math.isnan(row.shares[key]) and row.shares[key] >= ACTED_MIN]  # fmt: skip
+    if not math.isnan(row.scale_min) and row.scale_min < 1.0:
+        parts.append(f"s >= {row.scale_min:.2f} ({_pct(row.scale_steps_below_one)} of steps < 1)")
+    return ", ".join(parts) or "nothing"
+
+
+def summary_markdown(rows: list[LeaderboardRow], baseline: str | None) -> str:
+    """The leaderboards in the short form the results page shows: per staleness, each
+    cell's runs, IQM with its interval, gain, collapsed and ended-low counts, probability of
+    improvement over ``baseline``, difference to on-policy, every seed's final success
+    (sorted, ascending) and what acted (:func:`acted_on`). Bold rows overlap the best's."""
+    out = []
+    for staleness in sorted({r.staleness for r in rows}):
+        out.append(f"**Staleness {staleness}**\n")
+        out.append(
+            "| method | runs | val success IQM [95% CI] | gain over start | collapsed | "
+            f"ended low | P(improve over {baseline or 'baseline'}) | vs on-policy | "
+            "final success per seed (sorted) | acted on (share of tokens) |"
+        )
+        out.append("|---|---:|---|---|---|---|---|---|---|---|")
+        for r in (r for r in rows if r.staleness == staleness):
+            name = f"**{r.method}**" if r.overlaps_best else r.method
+            low = "-" if math.isnan(r.ended_low_ci[0]) else f"{r.ended_low}/{r.runs}"
+            gain = "-" if math.isnan(r.gain_mean) else f"{r.gain_mean:+.3f}{_ci(r.gain_ci)}"
+            vs = "-" if math.isnan(r.vs_on_policy) else f"{r.vs_on_policy:+.3f}"
+            finals = " ".join(f"{v:.3f}" for v in sorted(r.val_success_per_seed))
+            out.append(
+                f"| {name} | {r.runs} | {_f(r.val_success_iqm)}{_ci(r.val_success_iqm_ci)} | "
+                f"{gain} | {r.collapsed}/{r.judged} | {low} | "
+                f"{_f(r.poi_vs_baseline, 2)}{_ci(r.poi_vs_baseline_ci)} | "
+                f"{vs}{_ci(r.vs_on_policy_ci)} | {finals} | {acted_on(r)} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
 def plot_intervals(rows: list[LeaderboardRow], path: Path) -> Path:
     """One panel per staleness: each method's IQM with its 95% interval, best on top."""
     import matplotlib
@@ -616,9 +670,10 @@ def write_leaderboards(
     baseline: str | None,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Read the runs, write ``leaderboard.{json,md}`` and the three figures into
-    ``out_dir``; returns the markdown's path. Unfinished runs (also those the time cap
-    stopped early) are left out of the boards (their count is in the JSON)."""
+    """Read the runs, write ``leaderboard.{json,md}``, ``leaderboard_summary.md`` and the
+    three figures into ``out_dir``; returns the markdown's path. Unfinished runs (also
+    those the time cap stopped early) are left out of the boards (their count is in the
+    JSON)."""
     runs = [read_run(d, rule) for d in run_dirs if (d / "config.json").exists()]
     finished = [r for r in runs if r.finished]
     rows = leaderboard(finished, baseline)
@@ -627,6 +682,7 @@ def write_leaderboards(
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "leaderboard.md"
     md.write_text(leaderboard_markdown(rows, norms, baseline, power))
+    (out_dir / "leaderboard_summary.md").write_text(summary_markdown(rows, baseline))
     payload = {
         **(extra or {}),
         "baseline": baseline,

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from services.arena import (
+    acted_on,
     bias_norm_distributions,
     board_power,
     detectable_difference,
     leaderboard,
     read_run,
+    summary_markdown,
     write_leaderboards,
 )
 from services.collapse import CollapseRule
@@ -82,6 +84,37 @@ def test_leaderboard_ranks_compares_and_counts(tmp_path: Path):
     assert math.isnan(board[1].poi_vs_baseline)  # the baseline is not compared with itself
 
 
+def test_summary_lists_every_seed_and_what_acted(tmp_path: Path):
+    dirs = [write_run(tmp_path, "base", 4, seed, v, clip_ratio=0.004)
+            for seed, v in enumerate((0.3, 0.2))]  # fmt: skip
+    dirs += [write_run(tmp_path, "st", 4, seed, v, clip_ratio=0.0, behavior_weight_capped=2e-5,
+                       clip_bias_scale=0.5 if seed else 1.0)
+             for seed, v in enumerate((0.6, 0.5))]  # fmt: skip
+    dirs += [write_run(tmp_path, "base", 0, 0, 0.55)]
+    rows = leaderboard([read_run(d, RULE) for d in dirs], baseline="base")
+    st, base = (r for r in rows if r.staleness == 4)
+    # base: clipped 0.4% of tokens; st: nothing clipped, TIS 0.002% (below 0.005%: not
+    # named), s = 0.5 in the 4 steps of one of its two runs (half of its steps)
+    assert acted_on(base) == "clipped 0.40%"
+    assert acted_on(st) == "s >= 0.50 (50.00% of steps < 1)"
+    assert acted_on(rows[0]) == "nothing"  # the on-policy run logged no shares at all
+    text = summary_markdown(rows, "base")
+    assert (
+        "| method | runs | val success IQM [95% CI] | gain over start | collapsed | ended "
+        "low | P(improve over base) |" in text
+    )
+    # st: IQM of (0.5, 0.6) = 0.55, gain 0.45 over the start 0.1, both above 0.55 - 0.05:
+    # none ended low; every st run beats every base run; 0.55 - 0.55 on-policy = 0
+    line = next(x for x in text.splitlines() if x.startswith("| **st** "))
+    assert line.startswith(
+        "| **st** | 2 | 0.550 [0.50, 0.60] | +0.450 [0.40, 0.50] | 0/2 | 0/2 | 1.00 [1.00, 1.00] |"
+    )
+    # (one on-policy run: no interval for the difference)
+    assert "| +0.000 | 0.500 0.600 | s >= 0.50" in line
+    line = next(x for x in text.splitlines() if x.startswith("| base "))
+    assert "| 2/2 |" in line and "| - |" in line and "| 0.200 0.300 | clipped 0.40% |" in line
+
+
 def test_bias_norm_distribution_counts_zero_and_triggering_steps(tmp_path: Path):
     run_dir = write_run(tmp_path, "st", 16, 0, 0.3)
     norms = [0.0, 0.0, 0.005, 0.02]  # ||C|| / 0.01 = 0, 0, 0.5, 2
@@ -142,6 +175,9 @@ def test_write_leaderboards_writes_tables_and_figures(tmp_path: Path):
     assert data["power"][0]["detectable"]["10"] == pytest.approx(0.0886, abs=1e-4)
     for name in ("intervals", "curves", "bias_norm"):
         assert (tmp_path / "out" / f"leaderboard_{name}.png").stat().st_size > 0
+    summary = (tmp_path / "out" / "leaderboard_summary.md").read_text()
+    assert "| **a** | 2 | 0.350 [0.30, 0.40] |" in summary
+    assert summary.count("**Staleness 4**") == 1
 
 
 def test_stabiliser_activity_line():
