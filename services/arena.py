@@ -30,7 +30,8 @@ staleness, the share of steps with ``||C|| = 0`` (nothing clipped) and above 1
 (:class:`BiasNormDistribution`), and its empirical distribution (figure).
 
 Outputs (:func:`write_leaderboards`): ``leaderboard.json``, ``leaderboard.md``,
-``leaderboard_summary.md`` (the short tables of the results page), ``leaderboard_intervals.png``, ``leaderboard_curves.png`` (success, malformed share and KL
+``leaderboard_summary.md`` (the short tables of the results page),
+``leaderboard_intervals.png``, ``leaderboard_curves.png`` (success, malformed share and KL
 per step, mean and a band of +-1 sd over seeds) and ``leaderboard_bias_norm.png``. Under
 each leaderboard, its power (:func:`board_power`): the pooled sd over seeds and the
 smallest difference between two cells that 5 and 10 seeds per cell detect.
@@ -70,14 +71,15 @@ three, 0.273-0.297)."""
 DEFAULT_TAU = 0.01
 """The default ``algorithm.tau`` (:data:`learner.losses.DEFAULT_TAU`, mirrored: no torch)."""
 
-SHARES: tuple[tuple[str, str], ...] = (
-    ("clip_ratio", "clipped"),
-    ("token_bound_ratio", "token bound"),
-    ("behavior_weight_capped", "truncated (TIS)"),
-    ("behavior_masked", "masked (MIS)"),
-    ("m2po_masked", "masked (M2PO)"),
+SHARES: tuple[tuple[str, str, str], ...] = (
+    ("clip_ratio", "clipped", "clipped"),
+    ("token_bound_ratio", "token bound", "token bound"),
+    ("behavior_weight_capped", "truncated (TIS)", "TIS"),
+    ("behavior_masked", "masked (MIS)", "MIS"),
+    ("m2po_masked", "masked (M2PO)", "M2PO"),
 )
-"""(step field, column) of each per-token mechanism share."""
+"""(step field, leaderboard column, short name in :func:`acted_on`) of each per-token
+mechanism share (the fields of :data:`services.stabilisers.MECHANISMS`)."""
 
 
 @dataclass
@@ -132,7 +134,7 @@ def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> Are
         collapsed=run_collapsed(steps, rule),
         finished=run_archive.is_complete(run_dir),
         steps=len(steps),
-        shares={key: _mean(_series(steps, key)) for key, _ in SHARES},
+        shares={key: _mean(_series(steps, key)) for key, _, _ in SHARES},
         scale_min=min(scale, default=1.0),
         scale_below_one=sum(s < 1.0 for s in scale) / len(scale) if scale else 0.0,
         step_s=_mean(_series(steps[1:], "step_s")),
@@ -255,7 +257,7 @@ def leaderboard(
                 vs_on_policy_ci=mean_difference_ci(val, on_policy)
                 if stale
                 else (math.nan, math.nan),
-                shares={key: _mean([r.shares[key] for r in rs]) for key, _ in SHARES},
+                shares={key: _mean([r.shares[key] for r in rs]) for key, _, _ in SHARES},
                 scale_min=min(r.scale_min for r in rs),
                 scale_steps_below_one=_mean([r.scale_below_one for r in rs]),
                 step_time_vs_baseline=step_ratio,
@@ -433,7 +435,7 @@ def leaderboard_markdown(
         out.append(
             "| method | runs | val success IQM [95% CI] | gain over start | collapsed "
             "[Wilson] | ended low [Wilson] | P(improve over baseline) | vs on-policy | "
-            + " | ".join(label for _, label in SHARES)
+            + " | ".join(label for _, label, _ in SHARES)
             + " | s min (steps < 1) | step time vs baseline | proximal approx error |"
         )
         out.append("|---|---:|---|---|---|---|---|---|" + "---:|" * len(SHARES) + "---|---:|---:|")
@@ -445,7 +447,7 @@ def leaderboard_markdown(
                 f"{_ci(r.collapse_ci)} | {_ended_low(r)} | "
                 f"{_f(r.poi_vs_baseline, 2)}{_ci(r.poi_vs_baseline_ci)} | "
                 f"{_f(r.vs_on_policy)}{_ci(r.vs_on_policy_ci)} | "
-                + " | ".join(_pct(r.shares[key]) for key, _ in SHARES)
+                + " | ".join(_pct(r.shares[key]) for key, _, _ in SHARES)
                 + f" | {_f(r.scale_min)} ({_pct(r.scale_steps_below_one)}) | "
                 f"{_f(r.step_time_vs_baseline, 2)} | {_f(r.proximal_error, 4)} |"
             )
@@ -487,15 +489,6 @@ def leaderboard_markdown(
     return "\n".join(out) + "\n"
 
 
-SHORT_LABELS: dict[str, str] = {
-    "clip_ratio": "clipped",
-    "token_bound_ratio": "token bound",
-    "behavior_weight_capped": "TIS",
-    "behavior_masked": "MIS",
-    "m2po_masked": "M2PO",
-}
-"""The summary's short name of each :data:`SHARES` mechanism."""
-
 ACTED_MIN = 5e-5
 """The smallest token share the summary names (0.005%; smaller reads "0.00%")."""
 
@@ -504,7 +497,7 @@ def acted_on(row: LeaderboardRow) -> str:
     """What the stabilisers of a cell did, in a few words: each mechanism's mean share of
     policy tokens where it is at least :data:`ACTED_MIN`, and ST-PPO's scale where it fell
     below 1 (its minimum, and the share of steps below 1); ``"nothing"`` otherwise."""
-    parts = [f"{SHORT_LABELS[key]} {_pct(row.shares[key])}" for key, _ in SHARES
+    parts = [f"{short} {_pct(row.shares[key])}" for key, _, short in SHARES
              if not math.isnan(row.shares[key]) and row.shares[key] >= ACTED_MIN]  # fmt: skip
     if not math.isnan(row.scale_min) and row.scale_min < 1.0:
         parts.append(f"s >= {row.scale_min:.2f} ({_pct(row.scale_steps_below_one)} of steps < 1)")
