@@ -49,6 +49,7 @@ from typing import Any
 from services import run_archive
 from services.collapse import CollapseRule, run_collapsed
 from services.run_records import read_records
+from services.stabilisers import MECHANISMS
 from services.stability import (
     _finite,
     _mean,
@@ -70,16 +71,6 @@ three, 0.273-0.297)."""
 
 DEFAULT_TAU = 0.01
 """The default ``algorithm.tau`` (:data:`learner.losses.DEFAULT_TAU`, mirrored: no torch)."""
-
-SHARES: tuple[tuple[str, str, str], ...] = (
-    ("clip_ratio", "clipped", "clipped"),
-    ("token_bound_ratio", "token bound", "token bound"),
-    ("behavior_weight_capped", "truncated (TIS)", "TIS"),
-    ("behavior_masked", "masked (MIS)", "MIS"),
-    ("m2po_masked", "masked (M2PO)", "M2PO"),
-)
-"""(step field, leaderboard column, short name in :func:`acted_on`) of each per-token
-mechanism share (the fields of :data:`services.stabilisers.MECHANISMS`)."""
 
 
 @dataclass
@@ -134,7 +125,7 @@ def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> Are
         collapsed=run_collapsed(steps, rule),
         finished=run_archive.is_complete(run_dir),
         steps=len(steps),
-        shares={key: _mean(_series(steps, key)) for key, _, _ in SHARES},
+        shares={m.field: _mean(_series(steps, m.field)) for m in MECHANISMS},
         scale_min=min(scale, default=1.0),
         scale_below_one=sum(s < 1.0 for s in scale) / len(scale) if scale else 0.0,
         step_s=_mean(_series(steps[1:], "step_s")),
@@ -257,7 +248,7 @@ def leaderboard(
                 vs_on_policy_ci=mean_difference_ci(val, on_policy)
                 if stale
                 else (math.nan, math.nan),
-                shares={key: _mean([r.shares[key] for r in rs]) for key, _, _ in SHARES},
+                shares={m.field: _mean([r.shares[m.field] for r in rs]) for m in MECHANISMS},
                 scale_min=min(r.scale_min for r in rs),
                 scale_steps_below_one=_mean([r.scale_below_one for r in rs]),
                 step_time_vs_baseline=step_ratio,
@@ -435,10 +426,12 @@ def leaderboard_markdown(
         out.append(
             "| method | runs | val success IQM [95% CI] | gain over start | collapsed "
             "[Wilson] | ended low [Wilson] | P(improve over baseline) | vs on-policy | "
-            + " | ".join(label for _, label, _ in SHARES)
+            + " | ".join(m.label for m in MECHANISMS)
             + " | s min (steps < 1) | step time vs baseline | proximal approx error |"
         )
-        out.append("|---|---:|---|---|---|---|---|---|" + "---:|" * len(SHARES) + "---|---:|---:|")
+        out.append(
+            "|---|---:|---|---|---|---|---|---|" + "---:|" * len(MECHANISMS) + "---|---:|---:|"
+        )
         for r in (r for r in rows if r.staleness == staleness):
             name = f"**{r.method}**" if r.overlaps_best else r.method
             out.append(
@@ -447,7 +440,7 @@ def leaderboard_markdown(
                 f"{_ci(r.collapse_ci)} | {_ended_low(r)} | "
                 f"{_f(r.poi_vs_baseline, 2)}{_ci(r.poi_vs_baseline_ci)} | "
                 f"{_f(r.vs_on_policy)}{_ci(r.vs_on_policy_ci)} | "
-                + " | ".join(_pct(r.shares[key]) for key, _, _ in SHARES)
+                + " | ".join(_pct(r.shares[m.field]) for m in MECHANISMS)
                 + f" | {_f(r.scale_min)} ({_pct(r.scale_steps_below_one)}) | "
                 f"{_f(r.step_time_vs_baseline, 2)} | {_f(r.proximal_error, 4)} |"
             )
@@ -497,8 +490,8 @@ def acted_on(row: LeaderboardRow) -> str:
     """What the stabilisers of a cell did, in a few words: each mechanism's mean share of
     policy tokens where it is at least :data:`ACTED_MIN`, and ST-PPO's scale where it fell
     below 1 (its minimum, and the share of steps below 1); ``"nothing"`` otherwise."""
-    parts = [f"{short} {_pct(row.shares[key])}" for key, _, short in SHARES
-             if not math.isnan(row.shares[key]) and row.shares[key] >= ACTED_MIN]  # fmt: skip
+    shares = [(m.short, row.shares[m.field]) for m in MECHANISMS]
+    parts = [f"{short} {_pct(v)}" for short, v in shares if not math.isnan(v) and v >= ACTED_MIN]
     if not math.isnan(row.scale_min) and row.scale_min < 1.0:
         parts.append(f"s >= {row.scale_min:.2f} ({_pct(row.scale_steps_below_one)} of steps < 1)")
     return ", ".join(parts) or "nothing"

@@ -17,14 +17,30 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-MECHANISMS: tuple[tuple[str, str], ...] = (
-    ("clip_ratio", "clipped"),
-    ("token_bound_ratio", "token-bounded"),
-    ("behavior_weight_capped", "truncated (TIS)"),
-    ("behavior_masked", "masked (MIS)"),
-    ("m2po_masked", "masked (M2PO)"),
+
+@dataclass(frozen=True)
+class Mechanism:
+    """A token-level stabiliser as the step records log it.
+
+    Attributes:
+        field: the step-record field, the share of policy tokens it acted on (ratio 0..1).
+        label: what it did to a token, in the run-end line and the leaderboard columns.
+        short: its name in a few words (the arena summary's "acted on" column).
+    """
+
+    field: str
+    label: str
+    short: str
+
+
+MECHANISMS: tuple[Mechanism, ...] = (
+    Mechanism("clip_ratio", "clipped", "clipped"),
+    Mechanism("token_bound_ratio", "token-bounded", "token bound"),
+    Mechanism("behavior_weight_capped", "truncated (TIS)", "TIS"),
+    Mechanism("behavior_masked", "masked (MIS)", "MIS"),
+    Mechanism("m2po_masked", "masked (M2PO)", "M2PO"),
 )
-"""(step-record field, what it did to a token) of every token-level mechanism."""
+"""Every token-level mechanism, in the order the run-end line and the leaderboards list them."""
 
 
 @dataclass(frozen=True)
@@ -66,10 +82,10 @@ def _finite(records: Sequence[Mapping[str, Any]], key: str) -> list[float]:
 def stabiliser_activity(steps: Sequence[Mapping[str, Any]]) -> StabiliserActivity:
     """:class:`StabiliserActivity` of a run's step records (``steps.jsonl`` lines)."""
     shares, acting = {}, {}
-    for key, _ in MECHANISMS:
-        values = _finite(steps, key)
-        shares[key] = sum(values) / len(values) if values else math.nan
-        acting[key] = sum(v > 0 for v in values)
+    for m in MECHANISMS:
+        values = _finite(steps, m.field)
+        shares[m.field] = sum(values) / len(values) if values else math.nan
+        acting[m.field] = sum(v > 0 for v in values)
     scales = _finite(steps, "clip_bias_scale")
     return StabiliserActivity(
         steps=len(steps),
@@ -90,12 +106,12 @@ def activity_line(activity: StabiliserActivity) -> str:
     steps)``.
     """
     parts = []
-    for key, label in MECHANISMS:
-        share = activity.shares[key]
+    for m in MECHANISMS:
+        share = activity.shares[m.field]
         if math.isnan(share):
             continue
         unit = " of tokens" if not parts else ""
-        parts.append(f"{label} {100 * share:.2f}%{unit} ({activity.steps_acting[key]} steps)")
+        parts.append(f"{m.label} {100 * share:.2f}%{unit} ({activity.steps_acting[m.field]} steps)")
     verdict = "" if activity.any_acted else " -- none acted"
     return (
         f"stabilisers over {activity.steps} steps: {', '.join(parts) or 'none logged'}; "

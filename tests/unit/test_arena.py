@@ -88,15 +88,15 @@ def test_summary_lists_every_seed_and_what_acted(tmp_path: Path):
     dirs = [write_run(tmp_path, "base", 4, seed, v, clip_ratio=0.004)
             for seed, v in enumerate((0.3, 0.2))]  # fmt: skip
     dirs += [write_run(tmp_path, "st", 4, seed, v, clip_ratio=0.0, behavior_weight_capped=2e-5,
-                       clip_bias_scale=0.5 if seed else 1.0)
+                       behavior_masked=1e-3, clip_bias_scale=0.5 if seed else 1.0)
              for seed, v in enumerate((0.6, 0.5))]  # fmt: skip
     dirs += [write_run(tmp_path, "base", 0, 0, 0.55)]
     rows = leaderboard([read_run(d, RULE) for d in dirs], baseline="base")
     st, base = (r for r in rows if r.staleness == 4)
     # base: clipped 0.4% of tokens; st: nothing clipped, TIS 0.002% (below 0.005%: not
-    # named), s = 0.5 in the 4 steps of one of its two runs (half of its steps)
+    # named), MIS 0.1%, s = 0.5 in the 4 steps of one of its two runs (half of its steps)
     assert acted_on(base) == "clipped 0.40%"
-    assert acted_on(st) == "s >= 0.50 (50.00% of steps < 1)"
+    assert acted_on(st) == "MIS 0.10%, s >= 0.50 (50.00% of steps < 1)"
     assert acted_on(rows[0]) == "nothing"  # the on-policy run logged no shares at all
     text = summary_markdown(rows, "base")
     assert (
@@ -110,7 +110,7 @@ def test_summary_lists_every_seed_and_what_acted(tmp_path: Path):
         "| **st** | 2 | 0.550 [0.50, 0.60] | +0.450 [0.40, 0.50] | 0/2 | 0/2 | 1.00 [1.00, 1.00] |"
     )
     # (one on-policy run: no interval for the difference)
-    assert "| +0.000 | 0.500 0.600 | s >= 0.50" in line
+    assert "| +0.000 | 0.500 0.600 | MIS 0.10%, s >= 0.50" in line
     line = next(x for x in text.splitlines() if x.startswith("| base "))
     assert "| 2/2 |" in line and "| - |" in line and "| 0.200 0.300 | clipped 0.40% |" in line
 
