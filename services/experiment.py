@@ -75,7 +75,8 @@ class MoreSeeds(StrictModel):
     When every run of a leaderboard (the cells sharing a value of ``group_by``) has
     finished with the experiment's ``seeds``, its best cell is the one with the highest IQM
     of final greedy validation success; every cell whose 95% bootstrap interval overlaps the
-    best cell's (the best included) gets ``seeds`` too (:func:`services.arena.cells_needing_seeds`).
+    best cell's (the best included) gets ``seeds`` too (:func:`more_seed_points`), unless it
+    matches an ``exclude`` entry.
     """
 
     seeds: list[int] = Field(min_length=1)
@@ -83,6 +84,13 @@ class MoreSeeds(StrictModel):
 
     group_by: str = "buffer.max_staleness"
     """The grid axis that separates leaderboards (one best cell per value)."""
+
+    exclude: list[dict[str, Any]] = Field(default_factory=list)
+    """Grid points that get no more seeds even where their interval overlaps the best's: a
+    point whose values match every ``dotted.key = value`` of any one entry (every key a grid
+    axis). For a cell whose runs repeat another cell's: in the arena ``turn_ppo`` trains
+    exactly as ``st_ppo`` while ST-PPO's scale stays 1 (``deploy/configs/experiments/arena.toml``).
+    The excluded cell still counts when the best cell is chosen."""
 
 
 class ExperimentSpec(StrictModel):
@@ -219,16 +227,25 @@ class ExperimentSpec(StrictModel):
 
     @model_validator(mode="after")
     def _check_exclude(self) -> ExperimentSpec:
-        for entry in self.exclude:
-            unknown = sorted(set(entry) - set(self.grid))
-            if not entry or unknown:
-                raise ValueError(f"exclude entry {entry} names no grid axis or not only: {unknown}")
+        more = self.more_seeds.exclude if self.more_seeds else []
+        for where, entries in (("exclude", self.exclude), ("more_seeds.exclude", more)):
+            for entry in entries:
+                unknown = sorted(set(entry) - set(self.grid))
+                if not entry or unknown:
+                    raise ValueError(
+                        f"{where} entry {entry} names no grid axis or not only: {unknown}"
+                    )
         return self
 
     def excluded(self, point: dict[str, Any]) -> bool:
         """Whether the grid point ``point`` (``dotted.key -> value``) matches an ``exclude``
         entry."""
-        return any(all(point.get(k) == v for k, v in e.items()) for e in self.exclude)
+        return _matches(point, self.exclude)
+
+
+def _matches(point: dict[str, Any], entries: list[dict[str, Any]]) -> bool:
+    """Whether ``point`` has every ``key = value`` of some entry of ``entries``."""
+    return any(all(point.get(k) == v for k, v in e.items()) for e in entries)
 
 
 @dataclass
@@ -506,7 +523,7 @@ def more_seed_points(spec: ExperimentSpec, planned: list[PlannedRun]) -> list[di
             low, high = stats[k][1]
             if high >= best_low and low <= best_high:
                 chosen.add(k)
-    return [p for k, p in points.items() if k in chosen]
+    return [p for k, p in points.items() if k in chosen and not _matches(p, rule.exclude)]
 
 
 def _planned(

@@ -358,6 +358,12 @@ def test_more_seeds_go_to_the_cells_whose_interval_overlaps_the_best(tmp_path: P
             )
     extra = plan_runs(spec, "a", tmp_path)[6:]
     assert sorted(r.grid_values["method"] for r in extra) == ["plain", "tis3"]
+    # an excluded cell overlaps as much and gets none (it still counts for the best)
+    spec.more_seeds.exclude = [{"method": "tis3"}]
+    extra = plan_runs(spec, "a", tmp_path)[6:]
+    assert [(r.grid_values["method"], r.seed) for r in extra] == [("plain", 7)]
+    with pytest.raises(ValueError, match=r"more_seeds.exclude entry \{'seed': 1\} names no grid"):
+        method_spec(more_seeds={"seeds": [7], "exclude": [{"seed": 1}]})
 
 
 def test_only_selects_runs_by_axis_and_seed(tmp_path: Path):
