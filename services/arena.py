@@ -49,9 +49,8 @@ from typing import Any
 from services import run_archive
 from services.collapse import CollapseRule, run_collapsed
 from services.run_records import read_records
-from services.stabilisers import MECHANISMS
+from services.stabilisers import MECHANISMS, stabiliser_activity
 from services.stability import (
-    _finite,
     _mean,
     _series,
     iqm,
@@ -114,7 +113,7 @@ def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> Are
     evals = read_records(run_dir / "eval.jsonl")
     end = [e for e in evals if e.get("tag") == "end"]
     start = [e for e in evals if e.get("tag") == "start"]
-    scale = _finite(_series(steps, "clip_bias_scale"))
+    activity = stabiliser_activity(steps)
     norms = _series(steps, "clip_bias_norm")
     return ArenaRun(
         method=cfg["run"].get("label") or cfg["algorithm"]["variant"],
@@ -125,9 +124,11 @@ def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> Are
         collapsed=run_collapsed(steps, rule),
         finished=run_archive.is_complete(run_dir),
         steps=len(steps),
-        shares={m.field: _mean(_series(steps, m.field)) for m in MECHANISMS},
-        scale_min=min(scale, default=1.0),
-        scale_below_one=sum(s < 1.0 for s in scale) / len(scale) if scale else 0.0,
+        shares=activity.shares,
+        scale_min=activity.scale_min,
+        scale_below_one=activity.scale_steps_below_one / activity.scale_steps
+        if activity.scale_steps
+        else 0.0,
         step_s=_mean(_series(steps[1:], "step_s")),
         proximal_error=_mean(_series(steps, "proximal_approx_abs_error")),
         bias_norm_ratio=[n / tau for n in norms if not math.isnan(n)],

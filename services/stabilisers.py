@@ -54,6 +54,7 @@ class StabiliserActivity:
         steps_acting: per mechanism field, the steps in which it acted on some token.
         scale_min, scale_max: range of the clipping-bias scale ``s`` over the steps (1.0
             when no step logged it).
+        scale_steps: steps that logged ``s``.
         scale_steps_below_one: steps in which ``s < 1``.
     """
 
@@ -62,6 +63,7 @@ class StabiliserActivity:
     steps_acting: dict[str, int]
     scale_min: float
     scale_max: float
+    scale_steps: int
     scale_steps_below_one: int
 
     @property
@@ -93,6 +95,7 @@ def stabiliser_activity(steps: Sequence[Mapping[str, Any]]) -> StabiliserActivit
         steps_acting=acting,
         scale_min=min(scales, default=1.0),
         scale_max=max(scales, default=1.0),
+        scale_steps=len(scales),
         scale_steps_below_one=sum(s < 1.0 for s in scales),
     )
 
