@@ -412,6 +412,45 @@ def _ended_low(row: LeaderboardRow) -> str:
     return f"{row.ended_low}/{row.runs}{_ci(row.ended_low_ci)}"
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+def leaderboard_header(
+    rows: Sequence[LeaderboardRow], runs_wall_s: float, extra: dict[str, Any] | None
+) -> str:
+    """The leaderboards' title and provenance, from the records alone: the experiment, the
+    finished runs and how many seeds each cell has, the days and CPUs they ran on (where
+    they came from the grid's archive, :func:`services.run_archive.provenance`), and their
+    run time (summed over runs; the machine time is that over ``parallel_runs``)."""
+    extra = extra or {}
+    name = extra.get("experiment")
+    title = f"# Leaderboards: `stppo experiment {name}`" if name else "# Leaderboards"
+    runs = sum(r.runs for r in rows)
+    cells: dict[int, int] = {}
+    for r in sorted(rows, key=lambda r: -r.runs):
+        cells[r.runs] = cells.get(r.runs, 0) + 1
+    seeds = ", ".join(f"{_plural(k, 'seed')} in {_plural(n, 'cell')}" for k, n in cells.items())
+    text = f"{_plural(runs, 'finished run')}, {_plural(len(rows), 'cell')} ({seeds})"
+    archived = extra.get("archived")
+    if archived:
+        days = archived["first_day"]
+        if archived["last_day"] != days:
+            days += f" to {archived['last_day']}"
+        machines = ", ".join(f"{cpu} ({n} runs)" for cpu, n in archived["cpus"].items())
+        text += (
+            f"; {archived['runs']} of them from the archive `{extra.get('archive_dir')}`, "
+            f"final evaluations {days} (UTC) on {machines}"
+        )
+    parallel = extra.get("parallel_runs") or 1
+    if not math.isnan(runs_wall_s) and runs_wall_s > 0:
+        text += f"; {runs_wall_s / 3600:.1f} h of run time"
+        if parallel > 1:
+            machine_h = runs_wall_s / 3600 / parallel
+            text += f" ({parallel} runs at a time: about {machine_h:.1f} h of machine time)"
+    return f"{title}\n\n{text}.\n\n"
+
+
 def leaderboard_markdown(
     rows: list[LeaderboardRow],
     norms: list[BiasNormDistribution],
@@ -668,13 +707,15 @@ def write_leaderboards(
     power = board_power(finished)
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "leaderboard.md"
-    md.write_text(leaderboard_markdown(rows, norms, baseline, power))
+    runs_wall_s = sum(r.wall_s for r in finished if not math.isnan(r.wall_s))
+    header = leaderboard_header(rows, runs_wall_s, extra)
+    md.write_text(header + leaderboard_markdown(rows, norms, baseline, power))
     (out_dir / "leaderboard_summary.md").write_text(summary_markdown(rows, baseline))
     payload = {
         **(extra or {}),
         "baseline": baseline,
         "unfinished_runs": len(runs) - len(finished),
-        "runs_wall_s": sum(r.wall_s for r in finished if not math.isnan(r.wall_s)),
+        "runs_wall_s": runs_wall_s,
         "rows": [asdict(r) for r in rows],
         "bias_norm_over_tau": [asdict(n) for n in norms],
         "power": [asdict(p) for p in power],

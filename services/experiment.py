@@ -832,11 +832,13 @@ def summarize_experiment(
     spec = load_experiment(experiment_path(name, experiments_dir))
     warm = plan_warm_start(spec, name, output_dir, extra_overrides)
     planned = plan_runs(spec, name, output_dir, extra_overrides)
+    provenance = None
     if spec.archive_dir and use_archive:
         archive = _Archive(spec, name, output_dir, warm)
         archive.restore_warm_start()
         archive.sync(planned)
         planned = plan_runs(spec, name, output_dir, extra_overrides)  # more_seeds decided
+        provenance = run_archive.provenance(spec.archive_dir, (r.name for r in planned))
     started = [r for r in planned if (r.config.run_dir / "config.json").exists()]
     summaries = [summarize_run(r.config.run_dir, spec.collapse, r.seed) for r in started]
     extra = {
@@ -849,6 +851,9 @@ def summarize_experiment(
         "methods": spec.methods,
         "extra_points": spec.extra_points,
         "max_run_s": spec.max_run_s if max_run_s is None else max_run_s,
+        "parallel_runs": spec.parallel_runs,
+        "archive_dir": str(spec.archive_dir) if provenance else None,
+        "archived": asdict(provenance) if provenance else None,
         "runs_planned": [r.name for r in planned],
         "warm_start": read_jsonl(warm.config.run_dir / "sft.jsonl") if warm else None,
     }

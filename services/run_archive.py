@@ -30,6 +30,10 @@ import json
 import os
 import platform
 import tarfile
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +259,49 @@ def archive_finished(archive_dir: Path, run_dirs: list[Path], warm_start_sha256:
             archive_run(run_dir, archive_dir, warm_start_sha256)
             count += 1
     return count
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where and when a grid's archived runs ran (:func:`provenance`)."""
+
+    runs: int
+    cpus: dict[str, int]
+    """CPU model (``/proc/cpuinfo``) -> archived runs made on it, most runs first."""
+    first_day: str
+    last_day: str
+    """UTC dates (``YYYY-MM-DD``) of the earliest and the latest final evaluation."""
+
+
+def provenance(archive_dir: Path, run_names: Iterable[str]) -> Provenance | None:
+    """The machines and days of the archived runs among ``run_names`` (the leaderboards'
+    header: a grid of several sittings runs on several machines). None when none of them
+    is archived.
+
+    Raises:
+        ValueError: an unreadable archive file (:func:`read_archived_run`).
+    """
+    cpus: Counter[str] = Counter()
+    finished_at = []
+    for name in run_names:
+        path = run_archive_path(archive_dir, name)
+        if not path.exists():
+            continue
+        record = read_archived_run(path)
+        cpus[record["machine"]["cpu"]] += 1
+        finished_at.append(record["mtimes"]["eval.jsonl"])
+    if not finished_at:
+        return None
+
+    def day(t: float) -> str:
+        return datetime.fromtimestamp(t, UTC).date().isoformat()
+
+    return Provenance(
+        runs=len(finished_at),
+        cpus=dict(cpus.most_common()),
+        first_day=day(min(finished_at)),
+        last_day=day(max(finished_at)),
+    )
 
 
 def is_finished(run_dir: Path) -> bool:

@@ -15,6 +15,7 @@ from services.arena import (
     board_power,
     detectable_difference,
     leaderboard,
+    leaderboard_header,
     read_run,
     summary_markdown,
     write_leaderboards,
@@ -198,3 +199,21 @@ def test_stabiliser_activity_line():
     )
     idle = activity_line(stabiliser_activity([{"clip_ratio": 0.0, "clip_bias_scale": 1.0}]))
     assert idle.endswith("-- none acted")
+
+
+def test_leaderboard_header_says_what_ran_where(tmp_path: Path):
+    cells = (("a", 4, 3), ("b", 4, 3), ("c", 16, 5))
+    dirs = [write_run(tmp_path, m, st, s, 0.3) for m, st, n in cells for s in range(n)]
+    runs = leaderboard([read_run(d, RULE) for d in dirs], None)
+    extra = {"experiment": "arena", "parallel_runs": 2, "archive_dir": "docs/arena_runs",
+             "archived": {"runs": 10, "cpus": {"Xeon": 8, "EPYC": 2},
+                          "first_day": "2026-11-27", "last_day": "2026-11-28"}}  # fmt: skip
+    text = leaderboard_header(runs, 4 * 3600.0, extra)
+    assert text.startswith("# Leaderboards: `stppo experiment arena`\n\n")
+    assert "11 finished runs, 3 cells (5 seeds in 1 cell, 3 seeds in 2 cells)" in text
+    assert "10 of them from the archive `docs/arena_runs`, final evaluations 2026-11-27 to" in text
+    assert (
+        "on Xeon (8 runs), EPYC (2 runs); 4.0 h of run time (2 runs at a time: about 2.0 h" in text
+    )
+    alone = leaderboard_header(runs[:1], math.nan, None)
+    assert alone == "# Leaderboards\n\n3 finished runs, 1 cell (3 seeds in 1 cell).\n\n"

@@ -271,6 +271,25 @@ def test_summary_restores_archived_runs_unless_told_not_to(tmp_path: Path):
     alone = summarize_experiment("tiny", tmp_path / "out", experiments_dir=experiments,
                                  use_archive=False)  # fmt: skip
     assert alone.summaries == [] and not (tmp_path / "out" / "tiny" / name).exists()
+    assert json.loads(alone.summary_json.read_text())["archived"] is None
     restored = summarize_experiment("tiny", tmp_path / "out", experiments_dir=experiments)
     [row] = restored.summaries
     assert (row.run, row.val_success_final, row.num_steps) == (name, 0.3, 2)
+    assert json.loads(restored.summary_json.read_text())["archived"]["runs"] == 1
+
+
+def test_provenance_counts_the_machines_and_days_of_the_named_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    archive = tmp_path / "archive"
+    for i, cpu in enumerate(("Xeon", "EPYC", "Xeon")):
+        monkeypatch.setattr(run_archive, "_machine", lambda cpu=cpu: {"cpu": cpu})
+        run = make_run(tmp_path / f"r{i}")
+        os.utime(run / "eval.jsonl", (1_000_000_000 + i * 86_400,) * 2)  # 2001-09-09 01:46 UTC
+        run_archive.archive_run(run, archive, DIGEST)
+    names = ["r0", "r1", "r2", "not-archived"]
+    assert run_archive.provenance(archive, names) == run_archive.Provenance(
+        runs=3, cpus={"Xeon": 2, "EPYC": 1}, first_day="2001-09-09", last_day="2001-09-11"
+    )
+    assert run_archive.provenance(archive, ["r1"]).cpus == {"EPYC": 1}
+    assert run_archive.provenance(archive, ["not-archived"]) is None
