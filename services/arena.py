@@ -13,6 +13,9 @@ every (method, staleness) cell, over its seeds (:class:`LeaderboardRow`):
   run that loses the task usually does so late, after the collapse rule's window, and the
   runs that keep it end within a question or two of each other at the task's ceiling: how
   often a method ends low is what separates methods there;
+- the share of runs *degrading at the end* (:data:`DEGRADING_MALFORMED`): training rollouts
+  malformed in more than 10% over the last :data:`END_STEPS` steps, with a Wilson interval
+  (a run can still answer well greedily while its sampled rollouts break);
 - probability of improvement over the baseline method at the same staleness (ties half),
   with a stratified-bootstrap interval, and the mean difference to the on-policy reference;
 - what each mechanism did: the share of policy tokens clipped (PPO clip and dual clip;
@@ -68,6 +71,16 @@ LOW_MARGIN = 0.05
 *ended low* (0.05: about six questions of 128; the on-policy runs of the arena spread over
 three, 0.273-0.297)."""
 
+END_STEPS = 5
+"""The last learner steps of a run over which its training rollouts' malformed share is
+averaged (:attr:`ArenaRun.malformed_end`)."""
+
+DEGRADING_MALFORMED = 0.1
+"""A run whose training rollouts were malformed (no parseable answer) in more than this
+share over its last :data:`END_STEPS` steps is *degrading at the end*: at staleness 16 the
+runs that fall do so after step 30 of 40, and the greedy final evaluation can still read
+well while the sampled rollouts already break."""
+
 DEFAULT_TAU = 0.01
 """The default ``algorithm.tau`` (:data:`learner.losses.DEFAULT_TAU`, mirrored: no torch)."""
 
@@ -99,6 +112,9 @@ class ArenaRun:
     wall_s: float = math.nan
     """From the run's ``config.json`` (written at its start) to its last ``eval.jsonl``
     record (the final evaluation), by file modification times."""
+    malformed_end: float = math.nan
+    """Mean malformed share of the training rollouts over the last :data:`END_STEPS`
+    learner steps."""
 
 
 def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> ArenaRun:
@@ -136,6 +152,7 @@ def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> Are
         malformed_curve=_series(steps, "malformed_rate"),
         kl_curve=_series(steps, "kl_ref"),
         wall_s=_run_wall_s(run_dir),
+        malformed_end=_mean(_series(steps, "malformed_rate")[-END_STEPS:]),
     )
 
 
@@ -177,6 +194,12 @@ class LeaderboardRow:
     scale_steps_below_one: float
     step_time_vs_baseline: float
     proximal_error: float
+    malformed_end_per_seed: list[float] = field(default_factory=list)
+    """Each run's :attr:`ArenaRun.malformed_end`, in :attr:`seeds` order."""
+    degrading: int = 0
+    """Runs degrading at the end: ``malformed_end`` above :data:`DEGRADING_MALFORMED`."""
+    degrading_ci: tuple[float, float] = (math.nan, math.nan)
+    """Wilson interval of ``degrading / runs``."""
     overlaps_best: bool = False
 
 
@@ -254,6 +277,11 @@ def leaderboard(
                 scale_steps_below_one=_mean([r.scale_below_one for r in rs]),
                 step_time_vs_baseline=step_ratio,
                 proximal_error=_mean([r.proximal_error for r in rs]),
+                malformed_end_per_seed=[r.malformed_end for r in rs],
+                degrading=sum(r.malformed_end > DEGRADING_MALFORMED for r in rs),
+                degrading_ci=wilson_ci(
+                    sum(r.malformed_end > DEGRADING_MALFORMED for r in rs), len(rs)
+                ),
             )
         )
     rows.sort(key=lambda r: (r.staleness, -_nan_low(r.val_success_iqm), r.method))
@@ -432,6 +460,9 @@ def leaderboard_header(
         cells[r.runs] = cells.get(r.runs, 0) + 1
     seeds = ", ".join(f"{_plural(k, 'seed')} in {_plural(n, 'cell')}" for k, n in cells.items())
     text = f"{_plural(runs, 'finished run')}, {_plural(len(rows), 'cell')} ({seeds})"
+    if extra.get("only"):
+        slice_ = "; ".join(f"{k} in {v}" for k, v in extra["only"].items())
+        text += f", the slice {slice_}"
     archived = extra.get("archived")
     if archived:
         days = archived["first_day"]
@@ -465,12 +496,13 @@ def leaderboard_markdown(
         out.append(f"### Staleness {staleness}\n")
         out.append(
             "| method | runs | val success IQM [95% CI] | gain over start | collapsed "
-            "[Wilson] | ended low [Wilson] | P(improve over baseline) | vs on-policy | "
+            "[Wilson] | ended low [Wilson] | degrading at the end [Wilson] | "
+            "P(improve over baseline) | vs on-policy | "
             + " | ".join(m.label for m in MECHANISMS)
             + " | s min (steps < 1) | step time vs baseline | proximal approx error |"
         )
         out.append(
-            "|---|---:|---|---|---|---|---|---|" + "---:|" * len(MECHANISMS) + "---|---:|---:|"
+            "|---|---:|---|---|---|---|---|---|---|" + "---:|" * len(MECHANISMS) + "---|---:|---:|"
         )
         for r in (r for r in rows if r.staleness == staleness):
             name = f"**{r.method}**" if r.overlaps_best else r.method
@@ -478,6 +510,7 @@ def leaderboard_markdown(
                 f"| {name} | {r.runs} | {_f(r.val_success_iqm)}{_ci(r.val_success_iqm_ci)} | "
                 f"{_f(r.gain_mean)}{_ci(r.gain_ci)} | {r.collapsed}/{r.judged}"
                 f"{_ci(r.collapse_ci)} | {_ended_low(r)} | "
+                f"{r.degrading}/{r.runs}{_ci(r.degrading_ci)} | "
                 f"{_f(r.poi_vs_baseline, 2)}{_ci(r.poi_vs_baseline_ci)} | "
                 f"{_f(r.vs_on_policy)}{_ci(r.vs_on_policy_ci)} | "
                 + " | ".join(_pct(r.shares[m.field]) for m in MECHANISMS)
@@ -506,7 +539,9 @@ def leaderboard_markdown(
         "seeds; bold rows overlap the best row's interval. Gain: end minus start of the same "
         "evaluation, mean and bootstrap interval. Collapsed: the experiment's collapse rule, "
         f"Wilson interval. Ended low: final success more than {LOW_MARGIN} below the median "
-        "of the on-policy runs, Wilson interval. P(improve over baseline): probability that "
+        "of the on-policy runs, Wilson interval. Degrading at the end: the training "
+        f"rollouts' malformed share over the last {END_STEPS} steps above "
+        f"{DEGRADING_MALFORMED}, Wilson interval. P(improve over baseline): probability that "
         "a run of the row ends "
         f"above a run of `{baseline}` at the same staleness (ties count half), stratified "
         "bootstrap. Vs on-policy: mean difference to the staleness-0 runs. Token shares: "
@@ -539,7 +574,7 @@ def acted_on(row: LeaderboardRow) -> str:
 
 def summary_markdown(rows: list[LeaderboardRow], baseline: str | None) -> str:
     """The leaderboards in the short form the results page shows: per staleness, each
-    cell's runs, IQM with its interval, gain, collapsed and ended-low counts, probability of
+    cell's runs, IQM with its interval, gain, collapsed, ended-low and degrading counts, probability of
     improvement over ``baseline``, difference to on-policy, every seed's final success
     (sorted, ascending) and what acted (:func:`acted_on`). Bold rows overlap the best's."""
     out = []
@@ -547,10 +582,11 @@ def summary_markdown(rows: list[LeaderboardRow], baseline: str | None) -> str:
         out.append(f"**Staleness {staleness}**\n")
         out.append(
             "| method | runs | val success IQM [95% CI] | gain over start | collapsed | "
-            f"ended low | P(improve over {baseline or 'baseline'}) | vs on-policy | "
+            f"ended low | degrading at the end | P(improve over {baseline or 'baseline'}) | "
+            "vs on-policy | "
             "final success per seed (sorted) | acted on (share of tokens) |"
         )
-        out.append("|---|---:|---|---|---|---|---|---|---|---|")
+        out.append("|---|---:|---|---|---|---|---|---|---|---|---|")
         for r in (r for r in rows if r.staleness == staleness):
             name = f"**{r.method}**" if r.overlaps_best else r.method
             low = "-" if math.isnan(r.ended_low_ci[0]) else f"{r.ended_low}/{r.runs}"
@@ -559,7 +595,7 @@ def summary_markdown(rows: list[LeaderboardRow], baseline: str | None) -> str:
             finals = " ".join(f"{v:.3f}" for v in sorted(r.val_success_per_seed))
             out.append(
                 f"| {name} | {r.runs} | {_f(r.val_success_iqm)}{_ci(r.val_success_iqm_ci)} | "
-                f"{gain} | {r.collapsed}/{r.judged} | {low} | "
+                f"{gain} | {r.collapsed}/{r.judged} | {low} | {r.degrading}/{r.runs} | "
                 f"{_f(r.poi_vs_baseline, 2)}{_ci(r.poi_vs_baseline_ci)} | "
                 f"{vs}{_ci(r.vs_on_policy_ci)} | {finals} | {acted_on(r)} |"
             )

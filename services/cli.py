@@ -372,8 +372,9 @@ def experiment(
     only: Annotated[
         list[str] | None,
         typer.Option(
-            help="Run only the planned runs with AXIS=VALUE (a grid axis, or seed); repeat "
-            "to narrow further, e.g. --only method=ppo --only seed=0.",
+            help="Run (with --summary-only: summarise) only the planned runs with AXIS=VALUE "
+            "(a grid axis, or seed); repeat to narrow further, e.g. --only method=ppo --only "
+            "seed=0; values of one axis add up: --only seed=0 --only seed=1.",
         ),
     ] = None,
     archive: Annotated[
@@ -428,7 +429,7 @@ def experiment(
 
     if summary_only:
         result = summarize_experiment(
-            name, output_dir, overrides, max_run_s=max_run_s, use_archive=archive
+            name, output_dir, overrides, max_run_s=max_run_s, use_archive=archive, only=selection
         )
     else:
         result = run_experiment(

@@ -818,11 +818,14 @@ def summarize_experiment(
     experiments_dir: Path = EXPERIMENTS_DIR,
     max_run_s: float | None = None,
     use_archive: bool = True,
+    only: dict[str, list[Any]] | None = None,
 ) -> ExperimentResult:
     """Write ``summary.json``, ``summary.md`` and ``curves.png`` of experiment ``name`` from
     the run directories as they are now (runs not started yet are left out; a run in
     progress is summarised up to its last logged step), after restoring the archived runs
-    (:attr:`ExperimentSpec.archive_dir`, unless ``use_archive`` is False).
+    (:attr:`ExperimentSpec.archive_dir`, unless ``use_archive`` is False). ``only``
+    (:func:`parse_only`) summarises a slice of the planned runs, e.g. the first stage's
+    seeds of a grid whose ten-seed stage is under way.
 
     Raises:
         ConfigError: unknown experiment or invalid config.
@@ -838,6 +841,9 @@ def summarize_experiment(
         archive.restore_warm_start()
         archive.sync(planned)
         planned = plan_runs(spec, name, output_dir, extra_overrides)  # more_seeds decided
+    if only:
+        planned = select_runs(planned, only)
+    if spec.archive_dir and use_archive:
         provenance = run_archive.provenance(spec.archive_dir, (r.name for r in planned))
     started = [r for r in planned if (r.config.run_dir / "config.json").exists()]
     summaries = [summarize_run(r.config.run_dir, spec.collapse, r.seed) for r in started]
@@ -852,6 +858,7 @@ def summarize_experiment(
         "extra_points": spec.extra_points,
         "max_run_s": spec.max_run_s if max_run_s is None else max_run_s,
         "parallel_runs": spec.parallel_runs,
+        "only": only or None,
         "archive_dir": str(spec.archive_dir) if provenance else None,
         "archived": asdict(provenance) if provenance else None,
         "runs_planned": [r.name for r in planned],

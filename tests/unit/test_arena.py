@@ -88,8 +88,10 @@ def test_leaderboard_ranks_compares_and_counts(tmp_path: Path):
 def test_summary_lists_every_seed_and_what_acted(tmp_path: Path):
     dirs = [write_run(tmp_path, "base", 4, seed, v, clip_ratio=0.004)
             for seed, v in enumerate((0.3, 0.2))]  # fmt: skip
+    # st's second run degrades at the end (malformed 0.2 > 0.1); its first sits on the bound
     dirs += [write_run(tmp_path, "st", 4, seed, v, clip_ratio=0.0, behavior_weight_capped=2e-5,
-                       behavior_masked=1e-3, clip_bias_scale=0.5 if seed else 1.0)
+                       behavior_masked=1e-3, clip_bias_scale=0.5 if seed else 1.0,
+                       malformed_rate=0.2 if seed else 0.1)
              for seed, v in enumerate((0.6, 0.5))]  # fmt: skip
     dirs += [write_run(tmp_path, "base", 0, 0, 0.55)]
     rows = leaderboard([read_run(d, RULE) for d in dirs], baseline="base")
@@ -102,18 +104,21 @@ def test_summary_lists_every_seed_and_what_acted(tmp_path: Path):
     text = summary_markdown(rows, "base")
     assert (
         "| method | runs | val success IQM [95% CI] | gain over start | collapsed | ended "
-        "low | P(improve over base) |" in text
+        "low | degrading at the end | P(improve over base) |" in text
     )
     # st: IQM of (0.5, 0.6) = 0.55, gain 0.45 over the start 0.1, both above 0.55 - 0.05:
     # none ended low; every st run beats every base run; 0.55 - 0.55 on-policy = 0
     line = next(x for x in text.splitlines() if x.startswith("| **st** "))
     assert line.startswith(
-        "| **st** | 2 | 0.550 [0.50, 0.60] | +0.450 [0.40, 0.50] | 0/2 | 0/2 | 1.00 [1.00, 1.00] |"
+        "| **st** | 2 | 0.550 [0.50, 0.60] | +0.450 [0.40, 0.50] | 0/2 | 0/2 | 1/2 | 1.00 [1.00, "
+        "1.00] |"
     )
     # (one on-policy run: no interval for the difference)
     assert "| +0.000 | 0.500 0.600 | MIS 0.10%, s >= 0.50" in line
     line = next(x for x in text.splitlines() if x.startswith("| base "))
-    assert "| 2/2 |" in line and "| - |" in line and "| 0.200 0.300 | clipped 0.40% |" in line
+    assert "| 2/2 | 0/2 |" in line and "| - |" in line and "| 0.200 0.300 | clipped 0.40% |" in line
+    assert st.malformed_end_per_seed == pytest.approx([0.1, 0.2])
+    assert st.degrading_ci == pytest.approx((0.0945, 0.9055), abs=1e-4)  # Wilson, 1 of 2
 
 
 def test_bias_norm_distribution_counts_zero_and_triggering_steps(tmp_path: Path):
@@ -215,5 +220,7 @@ def test_leaderboard_header_says_what_ran_where(tmp_path: Path):
     assert (
         "on Xeon (8 runs), EPYC (2 runs); 4.0 h of run time (2 runs at a time: about 2.0 h" in text
     )
+    sliced = leaderboard_header(runs, math.nan, {"only": {"seed": [0, 1, 2]}})
+    assert "(5 seeds in 1 cell, 3 seeds in 2 cells), the slice seed in [0, 1, 2]." in sliced
     alone = leaderboard_header(runs[:1], math.nan, None)
     assert alone == "# Leaderboards\n\n3 finished runs, 1 cell (3 seeds in 1 cell).\n\n"

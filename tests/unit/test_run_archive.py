@@ -293,3 +293,30 @@ def test_provenance_counts_the_machines_and_days_of_the_named_runs(
     )
     assert run_archive.provenance(archive, ["r1"]).cpus == {"EPYC": 1}
     assert run_archive.provenance(archive, ["not-archived"]) is None
+
+
+def test_a_summary_of_a_slice_reads_only_its_runs(tmp_path: Path):
+    from tiny_experiment import write_experiment
+
+    from services.experiment import summarize_experiment
+
+    experiments = tmp_path / "experiments"
+    write_experiment(
+        experiments,
+        "tiny",
+        {"seeds": [0, 1], "num_steps": 2, "archive_dir": str(tmp_path / "archive")},
+        {"grid": {"method": ["a"], "buffer.max_staleness": [4]},
+         "methods.a": {"algorithm.variant": "ppo"}},
+    )  # fmt: skip
+    for seed in (0, 1):
+        name = f"method-a_max_staleness-4_seed-{seed}"
+        run = make_run(tmp_path / "elsewhere" / name, seed=seed)
+        run_archive.archive_run(run, tmp_path / "archive", None)
+
+    both = summarize_experiment("tiny", tmp_path / "out", experiments_dir=experiments)
+    assert [s.seed for s in both.summaries] == [0, 1]
+    first = summarize_experiment("tiny", tmp_path / "out", experiments_dir=experiments,
+                                 only={"seed": [0]})  # fmt: skip
+    assert [s.seed for s in first.summaries] == [0]
+    record = json.loads(first.summary_json.read_text())
+    assert record["archived"]["runs"] == 1 and record["only"] == {"seed": [0]}
