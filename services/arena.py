@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -131,6 +132,7 @@ def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> Are
     start = [e for e in evals if e.get("tag") == "start"]
     activity = stabiliser_activity(steps)
     norms = _series(steps, "clip_bias_norm")
+    malformed = _series(steps, "malformed_rate")
     return ArenaRun(
         method=cfg["run"].get("label") or cfg["algorithm"]["variant"],
         staleness=int(cfg["buffer"]["max_staleness"]),
@@ -149,10 +151,10 @@ def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> Are
         proximal_error=_mean(_series(steps, "proximal_approx_abs_error")),
         bias_norm_ratio=[n / tau for n in norms if not math.isnan(n)],
         success_curve=_series(steps, "success_rate"),
-        malformed_curve=_series(steps, "malformed_rate"),
+        malformed_curve=malformed,
         kl_curve=_series(steps, "kl_ref"),
         wall_s=_run_wall_s(run_dir),
-        malformed_end=_mean(_series(steps, "malformed_rate")[-END_STEPS:]),
+        malformed_end=_mean(malformed[-END_STEPS:]),
     )
 
 
@@ -247,6 +249,7 @@ def leaderboard(
         if base and method != baseline:
             step_ratio = _mean([r.step_s for r in rs]) / _mean([r.step_s for r in base])
         compare = bool(base) and method != baseline
+        degrading = sum(r.malformed_end > DEGRADING_MALFORMED for r in rs)
         stale = staleness != on_policy_staleness
         rows.append(
             LeaderboardRow(
@@ -278,10 +281,8 @@ def leaderboard(
                 step_time_vs_baseline=step_ratio,
                 proximal_error=_mean([r.proximal_error for r in rs]),
                 malformed_end_per_seed=[r.malformed_end for r in rs],
-                degrading=sum(r.malformed_end > DEGRADING_MALFORMED for r in rs),
-                degrading_ci=wilson_ci(
-                    sum(r.malformed_end > DEGRADING_MALFORMED for r in rs), len(rs)
-                ),
+                degrading=degrading,
+                degrading_ci=wilson_ci(degrading, len(rs)),
             )
         )
     rows.sort(key=lambda r: (r.staleness, -_nan_low(r.val_success_iqm), r.method))
@@ -455,10 +456,8 @@ def leaderboard_header(
     name = extra.get("experiment")
     title = f"# Leaderboards: `stppo experiment {name}`" if name else "# Leaderboards"
     runs = sum(r.runs for r in rows)
-    cells: dict[int, int] = {}
-    for r in sorted(rows, key=lambda r: -r.runs):
-        cells[r.runs] = cells.get(r.runs, 0) + 1
-    seeds = ", ".join(f"{_plural(k, 'seed')} in {_plural(n, 'cell')}" for k, n in cells.items())
+    cells = sorted(Counter(r.runs for r in rows).items(), reverse=True)  # (seeds, cells)
+    seeds = ", ".join(f"{_plural(k, 'seed')} in {_plural(n, 'cell')}" for k, n in cells)
     text = f"{_plural(runs, 'finished run')}, {_plural(len(rows), 'cell')} ({seeds})"
     if extra.get("only"):
         slice_ = "; ".join(f"{k} in {v}" for k, v in extra["only"].items())
@@ -574,9 +573,9 @@ def acted_on(row: LeaderboardRow) -> str:
 
 def summary_markdown(rows: list[LeaderboardRow], baseline: str | None) -> str:
     """The leaderboards in the short form the results page shows: per staleness, each
-    cell's runs, IQM with its interval, gain, collapsed, ended-low and degrading counts, probability of
-    improvement over ``baseline``, difference to on-policy, every seed's final success
-    (sorted, ascending) and what acted (:func:`acted_on`). Bold rows overlap the best's."""
+    cell's runs, IQM with its interval, gain, collapsed, ended-low and degrading counts,
+    probability of improvement over ``baseline``, difference to on-policy, every seed's
+    final success (sorted, ascending) and what acted (:func:`acted_on`). Bold rows overlap the best's."""
     out = []
     for staleness in sorted({r.staleness for r in rows}):
         out.append(f"**Staleness {staleness}**\n")

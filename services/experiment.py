@@ -835,16 +835,14 @@ def summarize_experiment(
     spec = load_experiment(experiment_path(name, experiments_dir))
     warm = plan_warm_start(spec, name, output_dir, extra_overrides)
     planned = plan_runs(spec, name, output_dir, extra_overrides)
-    provenance = None
-    if spec.archive_dir and use_archive:
-        archive = _Archive(spec, name, output_dir, warm)
+    archive = _Archive(spec, name, output_dir, warm) if spec.archive_dir and use_archive else None
+    if archive is not None:
         archive.restore_warm_start()
         archive.sync(planned)
         planned = plan_runs(spec, name, output_dir, extra_overrides)  # more_seeds decided
     if only:
         planned = select_runs(planned, only)
-    if spec.archive_dir and use_archive:
-        provenance = run_archive.provenance(spec.archive_dir, (r.name for r in planned))
+    provenance = run_archive.provenance(archive.dir, (r.name for r in planned)) if archive else None
     started = [r for r in planned if (r.config.run_dir / "config.json").exists()]
     summaries = [summarize_run(r.config.run_dir, spec.collapse, r.seed) for r in started]
     extra = {
