@@ -23,8 +23,9 @@ every (method, staleness) cell, over its seeds (:class:`LeaderboardRow`):
   rollout correction (MIS, Geo-RS, IcePop) and by M2PO, mean over steps and seeds; the
   scale ``s`` (minimum, and the share of steps below 1);
 - learner step time relative to the baseline's at the same staleness (mean ``step_s`` over
-  steps after the first, per run, then the mean over seeds; runs share the machine two at a
-  time, so this ratio is indicative to ~10%);
+  steps after the first, per run, then the mean over the seeds both cells ran: a seed's
+  runs share a sitting and a machine; runs share the machine two at a time, so this ratio
+  is indicative to ~10%);
 - the log-linear proximal approximation's mean error where the proximal is recomputed.
 
 And over every step of every run: ``||C|| / tau`` with the default ``tau`` (0.01), the
@@ -245,9 +246,7 @@ def leaderboard(
         base = cells.get((baseline, staleness), []) if baseline else []
         base_val = [r.val_success for r in base]
         judged = [r.collapsed for r in rs if r.collapsed is not None]
-        step_ratio = math.nan
-        if base and method != baseline:
-            step_ratio = _mean([r.step_s for r in rs]) / _mean([r.step_s for r in base])
+        step_ratio = step_time_ratio(rs, base) if base and method != baseline else math.nan
         compare = bool(base) and method != baseline
         degrading = sum(r.malformed_end > DEGRADING_MALFORMED for r in rs)
         stale = staleness != on_policy_staleness
@@ -288,6 +287,19 @@ def leaderboard(
     rows.sort(key=lambda r: (r.staleness, -_nan_low(r.val_success_iqm), r.method))
     _mark_overlaps(rows)
     return rows
+
+
+def step_time_ratio(runs: Sequence[ArenaRun], base: Sequence[ArenaRun]) -> float:
+    """Mean learner step time of ``runs`` over that of ``base``, both over the seeds they
+    share: the grid runs seed by seed, so a seed's runs share a sitting and a machine, and
+    a cell with more seeds than the other (or run on another CPU) is not compared across
+    machines. NaN when they share no seed."""
+    shared = {r.seed for r in runs} & {r.seed for r in base}
+    if not shared:
+        return math.nan
+    return _mean([r.step_s for r in runs if r.seed in shared]) / _mean(
+        [r.step_s for r in base if r.seed in shared]
+    )
 
 
 def _nan_low(v: float) -> float:
@@ -547,8 +559,8 @@ def leaderboard_markdown(
         "mean over steps and seeds of the share of policy tokens each mechanism acted on "
         "(clipped: the PPO clip and dual clip, CISPO's truncated weights). s min: the "
         "smallest clipping-bias scale of any step, and the share of steps with s < 1. Step "
-        "time: mean learner step time over the baseline's (two runs share the 2-core machine "
-        "at a time: ~10% noise). Proximal approx error: mean |log pi_prox - log-linear "
+        "time: mean learner step time over the baseline's, over the seeds both ran (one "
+        "sitting, one machine; two runs share the 2-core machine at a time: ~10% noise). Proximal approx error: mean |log pi_prox - log-linear "
         "approximation| (nats per token) where the proximal log-probs are recomputed. "
         "||C|| / tau: the clipping-bias norm of every step over the default tau; the "
         "triggered scale acts only above 1."

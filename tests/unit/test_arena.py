@@ -85,6 +85,19 @@ def test_leaderboard_ranks_compares_and_counts(tmp_path: Path):
     assert math.isnan(board[1].poi_vs_baseline)  # the baseline is not compared with itself
 
 
+def test_step_time_compares_only_the_seeds_both_cells_ran(tmp_path: Path):
+    # the baseline's seed 1 ran on a slower machine (step 4.0 s), and "good" has no seed 1:
+    # the ratio is 3.0 / 2.0 over seed 0, not 3.0 / mean(2.0, 4.0)
+    dirs = [write_run(tmp_path, "base", 4, 0, 0.3, step_s=2.0),
+            write_run(tmp_path, "base", 4, 1, 0.3, step_s=4.0),
+            write_run(tmp_path, "good", 4, 0, 0.5, step_s=3.0),
+            write_run(tmp_path, "alone", 4, 2, 0.5, step_s=3.0)]  # fmt: skip
+    runs = [read_run(d, RULE) for d in dirs]
+    rows = {r.method: r for r in leaderboard(runs, baseline="base")}
+    assert rows["good"].step_time_vs_baseline == pytest.approx(1.5)
+    assert math.isnan(rows["alone"].step_time_vs_baseline)  # no seed in common
+
+
 def test_summary_lists_every_seed_and_what_acted(tmp_path: Path):
     dirs = [write_run(tmp_path, "base", 4, seed, v, clip_ratio=0.004)
             for seed, v in enumerate((0.3, 0.2))]  # fmt: skip
