@@ -156,8 +156,8 @@ class _AlgorithmBase(StrictModel):
     current weights instead of weights k versions old. Why ``behavior`` is the default: on
     the synthetic task at staleness 8, ppo with ``decoupled`` (token TIS at 2) collapsed in
     4 of 10 seeds and ended 0.155 below on-policy, with ``behavior`` in none and within a
-    question of on-policy; in the off-policy arena (staleness 1, 4 and 16, five seeds per
-    cell) no run of it ended low (docs/results.md, "The off-policy arena")."""
+    question of on-policy; in the off-policy arena (staleness 1, 4 and 16, ten seeds per
+    cell) none of its 80 runs ended low (docs/results.md, "The off-policy arena")."""
 
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     """Decoupled objective: the weight of each token for pi_prox / pi_behaviour (TIS, MIS,
