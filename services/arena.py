@@ -36,8 +36,8 @@ staleness, the share of steps with ``||C|| = 0`` (nothing clipped) and above 1
 Outputs (:func:`write_leaderboards`): ``leaderboard.json``, ``leaderboard.md``,
 ``leaderboard_summary.md`` (the short tables of the results page),
 ``leaderboard_intervals.png``, ``leaderboard_curves.png`` (success, malformed share and KL
-per step, mean and a band of +-1 sd over seeds) and ``leaderboard_bias_norm.png``. Under
-each leaderboard, its power (:func:`board_power`): the pooled sd over seeds and the
+per step, mean and a band of +-1 sd over seeds, clipped to the seeds' range) and
+``leaderboard_bias_norm.png``. Under each leaderboard, its power (:func:`board_power`): the pooled sd over seeds and the
 smallest difference between two cells that 5 and 10 seeds per cell detect.
 """
 
@@ -643,9 +643,23 @@ def plot_intervals(rows: list[LeaderboardRow], path: Path) -> Path:
     return path
 
 
+def seed_band(curves: Any) -> tuple[Any, Any, Any]:
+    """Mean over seeds and a band of +-1 sd clipped to the seeds' range, per step.
+
+    ``curves``: array ``[seeds, steps]``. Returns three arrays ``[steps]``: mean, low, high.
+    The clip keeps the band inside what some seed reached: a share or a KL never reads
+    below 0, and a cell whose runs split (some fall, some hold) shows no values none had.
+    """
+    import numpy as np
+
+    mean, sd = curves.mean(0), curves.std(0)
+    return mean, np.maximum(mean - sd, curves.min(0)), np.minimum(mean + sd, curves.max(0))
+
+
 def plot_curves(runs: Sequence[ArenaRun], path: Path, window: int = 5) -> Path:
     """Success, malformed share and KL to the reference per step (moving average over
-    ``window`` steps; mean and +-1 sd band over seeds), one column per staleness."""
+    ``window`` steps; mean and a band of +-1 sd over seeds, clipped to the seeds' range),
+    one column per staleness."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -673,9 +687,9 @@ def plot_curves(runs: Sequence[ArenaRun], path: Path, window: int = 5) -> Path:
                 smooth = np.array([np.convolve(np.nan_to_num(c[:n]), kernel, "valid")
                                    for c in curves])  # fmt: skip
                 x = np.arange(window, n + 1)
-                mean, sd = smooth.mean(0), smooth.std(0)
+                mean, low, high = seed_band(smooth)
                 ax.plot(x, mean, color=colors(i), lw=1.2, label=method)
-                ax.fill_between(x, mean - sd, mean + sd, color=colors(i), alpha=0.12)
+                ax.fill_between(x, low, high, color=colors(i), alpha=0.12)
             ax.set_title(f"{label}, staleness {staleness}", fontsize=9)
             ax.set_xlabel("learner step")
             ax.grid(alpha=0.3)

@@ -17,6 +17,7 @@ from services.arena import (
     leaderboard,
     leaderboard_header,
     read_run,
+    seed_band,
     summary_markdown,
     write_leaderboards,
 )
@@ -83,6 +84,21 @@ def test_leaderboard_ranks_compares_and_counts(tmp_path: Path):
     assert (good.ended_low, board[1].ended_low) == (2, 3)
     assert good.ended_low_ci == pytest.approx((0.2077, 0.9385), abs=1e-4)  # Wilson, 2 of 3
     assert math.isnan(board[1].poi_vs_baseline)  # the baseline is not compared with itself
+
+
+def test_curve_band_stays_inside_what_the_seeds_reached():
+    import numpy as np
+
+    # a share at step 0 where one seed of three broke (0.9) and two held (0.0): mean 0.3,
+    # sd 0.424; the band is [0.0, 0.724], not [-0.124, 0.724]; at step 1 all agree (0.5)
+    curves = np.array([[0.0, 0.5], [0.0, 0.5], [0.9, 0.5]])
+    mean, low, high = seed_band(curves)
+    assert mean == pytest.approx([0.3, 0.5])
+    assert low == pytest.approx([0.0, 0.5]) and high == pytest.approx([0.72426, 0.5], abs=1e-4)
+    # the upper clip: two seeds at 1.0 and one at 0.0 (a success rate): mean 0.667 + sd
+    # 0.471 would read 1.138; the band ends at the highest seed
+    mean, low, high = seed_band(np.array([[0.0], [1.0], [1.0]]))
+    assert high == pytest.approx([1.0]) and low == pytest.approx([0.19526], abs=1e-4)
 
 
 def test_step_time_compares_only_the_seeds_both_cells_ran(tmp_path: Path):
