@@ -37,8 +37,9 @@ Outputs (:func:`write_leaderboards`): ``leaderboard.json``, ``leaderboard.md``,
 ``leaderboard_summary.md`` (the short tables of the results page),
 ``leaderboard_intervals.png``, ``leaderboard_curves.png`` (success, malformed share and KL
 per step, mean and a band of +-1 sd over seeds, clipped to the seeds' range) and
-``leaderboard_bias_norm.png``. Under each leaderboard, its power (:func:`board_power`): the pooled sd over seeds and the
-smallest difference between two cells that 5 and 10 seeds per cell detect.
+``leaderboard_bias_norm.png``. Under each leaderboard, its power (:func:`board_power`): the
+pooled sd over seeds and the smallest difference between two cells that 5 and 10 seeds per
+cell detect.
 """
 
 from __future__ import annotations
@@ -560,10 +561,10 @@ def leaderboard_markdown(
         "(clipped: the PPO clip and dual clip, CISPO's truncated weights). s min: the "
         "smallest clipping-bias scale of any step, and the share of steps with s < 1. Step "
         "time: mean learner step time over the baseline's, over the seeds both ran (one "
-        "sitting, one machine; two runs share the 2-core machine at a time: ~10% noise). Proximal approx error: mean |log pi_prox - log-linear "
-        "approximation| (nats per token) where the proximal log-probs are recomputed. "
-        "||C|| / tau: the clipping-bias norm of every step over the default tau; the "
-        "triggered scale acts only above 1."
+        "sitting, one machine; two runs share the 2-core machine at a time: ~10% noise). "
+        "Proximal approx error: mean |log pi_prox - log-linear approximation| (nats per "
+        "token) where the proximal log-probs are recomputed. ||C|| / tau: the clipping-bias "
+        "norm of every step over the default tau; the triggered scale acts only above 1."
     )
     return "\n".join(out) + "\n"
 
@@ -587,7 +588,8 @@ def summary_markdown(rows: list[LeaderboardRow], baseline: str | None) -> str:
     """The leaderboards in the short form the results page shows: per staleness, each
     cell's runs, IQM with its interval, gain, collapsed, ended-low and degrading counts,
     probability of improvement over ``baseline``, difference to on-policy, every seed's
-    final success (sorted, ascending) and what acted (:func:`acted_on`). Bold rows overlap the best's."""
+    final success (sorted, ascending) and what acted (:func:`acted_on`). Bold rows overlap
+    the best's."""
     out = []
     for staleness in sorted({r.staleness for r in rows}):
         out.append(f"**Staleness {staleness}**\n")
