@@ -247,8 +247,8 @@ def leaderboard(
         base = cells.get((baseline, staleness), []) if baseline else []
         base_val = [r.val_success for r in base]
         judged = [r.collapsed for r in rs if r.collapsed is not None]
-        step_ratio = step_time_ratio(rs, base) if base and method != baseline else math.nan
         compare = bool(base) and method != baseline
+        step_ratio = step_time_ratio(rs, base) if compare else math.nan
         degrading = sum(r.malformed_end > DEGRADING_MALFORMED for r in rs)
         stale = staleness != on_policy_staleness
         rows.append(
