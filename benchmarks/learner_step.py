@@ -36,8 +36,9 @@ within so many GiB (steps compared at a memory ceiling: issue 46 started from 66
 Model shapes (``--shape``, random weights with the project's tokenizer; implies
 ``--random-init``): ``135m`` is SmolLM2-135M's own config, ``360m`` and ``1.7b``
 SmolLM2-360M's and SmolLM2-1.7B's (hidden, layers, heads, intermediate), ``3b`` Llama-3.2-3B's
-(hidden 3072, 28 layers, 24 heads of which 8 key-value, intermediate 8192), all with the
-SmolLM2 vocabulary of 49,152 and tied embeddings. ``--gradient-checkpointing`` recomputes
+(hidden 3072, 28 layers, 24 heads of which 8 key-value, intermediate 8192), ``tiny`` the
+tests' two-layer Llama (hidden 64, intermediate 128: the step is almost all host work), all
+with the SmolLM2 vocabulary of 49,152 and tied embeddings. ``--gradient-checkpointing`` recomputes
 activations in backward (what the 3B shape needs on one GPU beside its critic and
 reference). On CUDA the optimizer is the fused AdamW (``learner.fused_adamw``).
 
@@ -75,6 +76,11 @@ Peak memory per step: the resident-set high-water mark of this process, reset be
 step (``/proc/self/clear_refs`` after ``malloc_trim``), in GiB; on a GPU also the step's
 peak of allocated GPU memory (``torch.cuda.max_memory_allocated`` after a reset).
 
+``--count-syncs``: after the measured rounds, one more step per (variant or SFT, path)
+with its host syncs counted (:func:`learner.host_syncs.count_syncs`: on CUDA the
+synchronising calls PyTorch reports, on the CPU those its simulation of a device finds),
+as ``host_syncs_per_step`` and the sites (``host_sync_sites``) in each row.
+
 ``--profile``: after the measured rounds, one more step of the first variant on the last
 path under ``torch.profiler``; its self time (CPU; on a GPU the CUDA kernels' time, each
 kernel counted once, under the operator that launched it) is grouped by operator into
@@ -98,6 +104,7 @@ import resource
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -121,6 +128,7 @@ from learner.config import (  # noqa: E402
     uses_bias_correction,
     uses_critic,
 )
+from learner.host_syncs import count_syncs  # noqa: E402
 from learner.modeling import response_logits, token_logprobs  # noqa: E402
 from learner.trainer import Learner, use_fused_adamw  # noqa: E402
 
@@ -176,6 +184,10 @@ def _hwm_gib() -> float:
 
 
 SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128,
+    },
     "135m": {},
     "360m": {
         "hidden_size": 960, "num_hidden_layers": 32, "num_attention_heads": 15,
@@ -556,6 +568,11 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON")
     parser.add_argument(
+        "--count-syncs",
+        action="store_true",
+        help="count each step's and path's host syncs in one more step (see the docstring)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="profile one more step of the first variant on the last path (see the docstring)",
@@ -701,6 +718,22 @@ def main() -> None:
                 gpu_peaks[(name, path)].append(gpu_peak)
                 last[(name, path)] = metrics
 
+    syncs: dict[tuple[str, str], Counter[str]] = {}
+    if args.count_syncs:  # one more step per (step, path), not timed
+        engines = [learner.policy_engine, learner.critic_engine, learner.reference_engine]
+        for name in names:
+            for path in paths:
+                counted = count_syncs(
+                    lambda name=name, path=path: run(name, path),
+                    [e for e in engines if e is not None],
+                    learner.device,
+                )
+                syncs[(name, path)] = counted
+                top = ", ".join(f"{site} x{n}" for site, n in counted.most_common(4))
+                print(
+                    f"  host syncs {name} [{path}]: {counted.total()} per step ({top})",
+                    flush=True,
+                )
     profile = None
     if args.profile:
         name, path = names[0], paths[-1]
@@ -744,6 +777,8 @@ def main() -> None:
                     "loss": metrics.get("loss", metrics.get("pg_loss")),
                     "entropy": metrics.get("entropy"),
                     "proximal_approx_abs_error": metrics.get("proximal_approx_abs_error"),
+                    "host_syncs_per_step": syncs[(name, path)].total() if syncs else None,
+                    "host_sync_sites": dict(syncs[(name, path)].most_common()) if syncs else None,
                 }
             )
     result = {

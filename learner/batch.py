@@ -37,6 +37,35 @@ from actors.trajectory import Trajectory
 _SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
 """[B, L] fields (prompt + response columns)."""
 
+HOST_FIELDS = ("prompt_lengths", "response_lengths")
+"""Layout bookkeeping the host reads (:meth:`TrainingBatch.select`, the packed layout of
+:mod:`learner.packing`): :meth:`TrainingBatch.to` leaves them on the CPU, so reading them
+never waits for the GPU."""
+
+
+def to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """``tensor`` on ``device`` without making the host wait for the GPU.
+
+    A blocking copy between the host and a CUDA device synchronises the stream: PyTorch's
+    copy waits for every kernel queued before it, so the GPU idles while the host then
+    prepares and launches what comes next. A host tensor therefore goes to CUDA through
+    page-locked memory with ``non_blocking=True`` (the copy is queued in stream order; the
+    pinned buffer is the caching host allocator's, kept until the copy has run). Elsewhere
+    (the CPU, or a tensor already there) it is ``tensor.to(device, non_blocking=True)``,
+    which is the plain ``to``.
+
+    Args:
+        tensor: any tensor.
+        device: the target device.
+
+    Returns:
+        The tensor on ``device`` (``tensor`` itself when already there).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
 
 @dataclass
 class TrainingBatch:
@@ -115,11 +144,15 @@ class TrainingBatch:
         return int(self.attention_mask.sum().item())
 
     def to(self, device: torch.device | str) -> TrainingBatch:
-        """The same batch with every tensor on ``device`` (no copy when already there)."""
-        changes = {
-            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-            for f in dataclasses.fields(self)
-        }
+        """The same batch with its tensors on ``device`` (no copy when already there), but
+        :data:`HOST_FIELDS`, which stay where they are; copied by :func:`to_device`, so a
+        host batch reaches a GPU without the host waiting for the GPU's queued work."""
+        changes: dict[str, Tensor | None] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and f.name not in HOST_FIELDS:
+                value = to_device(value, device)
+            changes[f.name] = value
         return TrainingBatch(**changes)
 
     def select(self, indices: Sequence[int] | Tensor) -> TrainingBatch:

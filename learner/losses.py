@@ -444,12 +444,21 @@ def aggregation_weights(
     mask = (loss_mask != 0).to(dtype)
     if loss_agg_mode == "token-mean":
         denom = mask.sum() if agg_denominator is None else agg_denominator
-        return mask / torch.as_tensor(denom, dtype=dtype, device=mask.device).clamp_min(1.0)
+        return mask / _device_scalar(denom, dtype, mask.device).clamp_min(1.0)
     per_seq = mask.sum(dim=1, keepdim=True)
     if agg_denominator is None:
         agg_denominator = (per_seq > 0).sum()
-    denom = torch.as_tensor(agg_denominator, dtype=dtype, device=mask.device).clamp_min(1.0)
+    denom = _device_scalar(agg_denominator, dtype, mask.device).clamp_min(1.0)
     return mask / (per_seq.clamp_min(1.0) * denom)
+
+
+def _device_scalar(value: Tensor | float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``value`` as a 0-dim ``dtype`` tensor on ``device``. A number is written by a fill
+    kernel (``torch.full``), not copied from the host: ``torch.as_tensor(number,
+    device=cuda)`` is a blocking host-to-device copy, which waits for the GPU's queue."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=dtype)
+    return torch.full((), value, dtype=dtype, device=device)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from learner.batch import TrainingBatch
+from learner.batch import TrainingBatch, to_device
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,8 @@ def packed_inputs(batch: TrainingBatch, varlen: bool = False) -> ModelInputs:
     Raises:
         ValueError: a row without prompt tokens (no column predicts its first response token).
     """
-    # the lengths on the host in one transfer; the token ids stay on the batch's device
+    # the lengths are host fields (TrainingBatch.to keeps them on the CPU): reading them
+    # does not wait for the GPU; the layout is built on the host and uploaded without a wait
     prompt_lengths, response_lengths = torch.stack(
         [batch.prompt_lengths, batch.response_lengths]
     ).tolist()
@@ -214,19 +215,19 @@ def packed_inputs(batch: TrainingBatch, varlen: bool = False) -> ModelInputs:
     for row, used in enumerate(filled):  # the tail of padding: one sequence of its own
         position_ids[row, used:] = torch.arange(width - used)
     device = batch.input_ids.device
-    source = source.to(device)
-    input_ids = batch.input_ids.flatten()[source.clamp(min=0)].masked_fill(source < 0, 0)
     cu_seq_lens, max_length = None, 0
     if varlen:  # segments start where positions restart (built here, on the host)
         flat = position_ids.flatten()
         starts = [*(flat == 0).nonzero().flatten().tolist(), flat.numel()]
         max_length = max(b - a for a, b in itertools.pairwise(starts))
-        cu_seq_lens = torch.tensor(starts, dtype=torch.int32, device=device)
+        cu_seq_lens = to_device(torch.tensor(starts, dtype=torch.int32), device)
+    source = to_device(source, device)
+    input_ids = batch.input_ids.flatten()[source.clamp(min=0)].masked_fill(source < 0, 0)
     return ModelInputs(
         input_ids,
         None,
-        position_ids.to(device),
-        state_index.to(device),
+        to_device(position_ids, device),
+        to_device(state_index, device),
         cu_seq_lens,
         max_length,
     )

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from pydantic import BaseModel
+from torch import Tensor
 
 from actors.trajectory import Trajectory, TurnSummary, per_turn_summary
 from learner.batch import TrainingBatch
@@ -173,6 +175,84 @@ class Selection:
     singleton_group: int
 
 
+def read_scalars(values: Sequence[Tensor | float | None]) -> list[float]:
+    """``float(v)`` of each value (None: NaN), the tensors read in one transfer per device.
+
+    Args:
+        values: one-element tensors (any dtype, any device), Python numbers or None.
+
+    Returns:
+        The values as floats, in order; a tensor's float is ``float(t.item())`` exactly
+        (read as float64, which holds every float32 and every integer below 2^53).
+    """
+    out = [math.nan if v is None else v for v in values]
+    by_device: dict[torch.device, list[int]] = defaultdict(list)
+    for i, v in enumerate(out):
+        if isinstance(v, Tensor):
+            by_device[v.device].append(i)
+    for where in by_device.values():
+        read = torch.stack([out[i].detach().reshape(()).to(torch.float64) for i in where])
+        for i, x in zip(where, read.tolist(), strict=True):
+            out[i] = x
+    return [float(v) for v in out]
+
+
+class Deferred:
+    """Named scalars queued on :class:`DeferredReads`; :meth:`get` after its flush."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self._values: dict[str, float] | None = None
+
+    def get(self) -> dict[str, float]:
+        """The values as floats, by name.
+
+        Raises:
+            RuntimeError: the reads were not flushed yet.
+        """
+        if self._values is None:
+            raise RuntimeError(f"deferred values {self.names} read before the flush")
+        return self._values
+
+
+class DeferredReads:
+    """Scalars a learner step computes on the device, read by the host together, later.
+
+    Reading a CUDA tensor on the host (``float``, ``.item()``, ``bool``) waits for every
+    kernel queued before it. Read per metric and micro-batch, the host never runs ahead of
+    the GPU, and the GPU idles while the host prepares each next micro-batch (slicing,
+    packing, launching its forward). The learner instead queues each micro-batch's metrics
+    here (:meth:`defer`) and reads them all in one transfer (:meth:`flush`) once per
+    optimizer step, where it needs them (the finite-loss checks, the clipping-bias scale),
+    so the host packs micro-batch k + 1 while the GPU runs micro-batch k's backward.
+    """
+
+    def __init__(self) -> None:
+        self._queued: list[tuple[Deferred, list[Tensor | float | None], Callable | None]] = []
+
+    def defer(
+        self,
+        values: Mapping[str, Tensor | float | None],
+        then: Callable[[dict[str, float]], None] | None = None,
+    ) -> Deferred:
+        """Queue ``values`` (name -> one-element tensor, number or None); ``then``, if given,
+        is called with them as floats at the flush, in the order queued."""
+        deferred = Deferred(list(values))
+        self._queued.append((deferred, list(values.values()), then))
+        return deferred
+
+    def flush(self) -> None:
+        """Read every queued value (:func:`read_scalars`: one transfer per device), fill
+        their :class:`Deferred` and run the callbacks in the order queued."""
+        queued, self._queued = self._queued, []
+        floats = iter(read_scalars([v for _, values, _ in queued for v in values]))
+        for deferred, _, _ in queued:
+            deferred._values = {name: next(floats) for name in deferred.names}
+        for deferred, _, then in queued:
+            if then is not None:
+                then(dict(deferred.get()))
+
+
 @dataclass
 class StepAccumulator:
     """Per-step running sums of micro-batch metrics and optimizer outcomes (one per
@@ -196,6 +276,9 @@ class StepAccumulator:
     behaviour weights of the log-linear proximal, measured per micro-batch; the proximal
     approximation's error); a name never added reads as NaN."""
     behavior_max: float = -math.inf
+    reads: DeferredReads = field(default_factory=DeferredReads)
+    """Device scalars queued for the host (:class:`DeferredReads`); flushed at the end of
+    each optimizer step's micro-batches and by :meth:`reduce`."""
     updates_per_version: int = 1
     """Optimizer steps of this learner step (mini-batches x epochs): the log-linear
     proximal's time unit (:func:`learner.corrections.loglinear_proximal_alpha`)."""
@@ -227,7 +310,9 @@ class StepAccumulator:
     def reduce(self, world_size: int) -> None:
         """All-reduce the rank-local sums (no-op on one rank): afterwards ``micro`` holds the
         global sums, ``mini`` the global per-optimizer-step losses, and the maxima and the
-        log-prob gap are global. Every rank calls it once per step, in the same order."""
+        log-prob gap are global. Every rank calls it once per step, in the same order.
+        Reads what is still queued on :attr:`reads` first."""
+        self.reads.flush()
         names = [*_TOKEN_METRICS, "_tokens", "_turns"]
         local = [sum(self.micro[n]) for n in names]
         local += [v for n in _SUMMED_UPDATE_METRICS for v in self.mini[n]]

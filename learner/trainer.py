@@ -57,6 +57,15 @@ NaN, so DeepSpeed's overflow check (ZeRO >= 1, or bf16) skips the optimizer step
 them; fp32 ZeRO-0 has no such check, so the learner checks the gradient norm itself and
 zeroes instead of stepping. Skipped steps are counted, weights never become NaN.
 
+The host does not wait for the GPU inside an optimizer step's micro-batches: their metrics
+stay on the device until all their backwards are queued and are read in one transfer
+(:class:`learner.step_metrics.DeferredReads`), the non-finite guard is decided on the device,
+and a micro-batch goes up without a blocking copy (:func:`learner.batch.to_device`; its
+packed layout is built from lengths kept on the host). So the host slices, packs and uploads
+micro-batch k + 1 while the GPU runs micro-batch k's backward. What still waits, between a
+forward and its backward: the policy-token gather's ``nonzero``, the policy loss's one check
+of its inputs, transformers' mask checks (``tests/unit/test_host_syncs.py``).
+
 Clipping-bias norm ||C|| is the norm over the whole mini-batch (spec section 6: one per
 optimizer step), whatever ``micro_batch_size`` is: micro-batches share the mini-batch's
 aggregation denominator, so their closed-form squared norms add up to the mini-batch's.
@@ -120,9 +129,11 @@ from learner.modeling import LayerCompiler, ValueModel, response_logits, token_l
 from learner.packing import model_inputs
 from learner.sft import SupervisedMixin
 from learner.step_metrics import (
+    Deferred,
     Selection,
     StepAccumulator,
     StepMetrics,
+    read_scalars,
     step_metrics,
     turn_advantages,
 )
@@ -603,7 +614,8 @@ class Learner(CheckpointMixin, SupervisedMixin):
         width = batch.response_ids.shape[1]
         decoupled = algorithm.off_policy == "decoupled"
         recompute = decoupled and algorithm.proximal == "recompute"
-        outputs: dict[str, dict[int, Tensor]] = defaultdict(dict)
+        on_device: dict[str, list[Tensor]] = defaultdict(list)
+        kept_rows: list[int] = []
         for rows, real in self._micro_plan(batch, range(batch.batch_size)):
             micro = batch.select(rows).to(self.device)
             computed = {"ref": self._logprobs(self.reference_engine, micro)}
@@ -613,9 +625,13 @@ class Learner(CheckpointMixin, SupervisedMixin):
                 computed["proximal"] = self._logprobs(self.policy_engine, micro)
             if not real:
                 continue  # padding forward (keeps ZeRO-3's gathers in step); result unused
+            kept_rows += rows
             for name, value in computed.items():
-                padded = _pad_columns(value.cpu(), width)
-                outputs[name].update((r, padded[i].clone()) for i, r in enumerate(rows))
+                on_device[name].append(_pad_columns(value, width))
+        outputs: dict[str, dict[int, Tensor]] = defaultdict(dict)
+        for name, parts in on_device.items():  # one read per output, after every forward
+            host = torch.cat(parts).cpu()
+            outputs[name].update((r, host[i].clone()) for i, r in enumerate(kept_rows))
         if self.world_size > 1:  # every rank needs every row (whole-batch advantages)
             for part in all_gather_objects(dict(outputs), self.world_size):
                 for name, by_row in part.items():
@@ -713,8 +729,11 @@ class Learner(CheckpointMixin, SupervisedMixin):
                     micro.behavior_logprobs, current_logprobs, self._proximal_alpha(micro, acc)
                 )
                 error = losses.masked_mean((micro.old_logprobs - approx).abs(), micro.loss_mask)
-                acc.add_token_mean(
-                    "proximal_approx_abs_error", _scalar(error), _scalar(micro.loss_mask.sum())
+                acc.reads.defer(
+                    {"error": error, "tokens": micro.loss_mask.sum()},
+                    lambda v: acc.add_token_mean(
+                        "proximal_approx_abs_error", v["error"], v["tokens"]
+                    ),
                 )
             return micro.old_logprobs, micro.behavior_weights
         proximal = corrections.loglinear_proximal_logprobs(
@@ -723,12 +742,16 @@ class Learner(CheckpointMixin, SupervisedMixin):
         weights, metrics = self._behavior_correction(micro, proximal, algorithm)
         if not record:
             return proximal, weights
-        tokens = _scalar(micro.loss_mask.sum())
-        for name, value in metrics.items():
-            if name == "behavior_weight_max":
-                acc.behavior_max = max(acc.behavior_max, _scalar(value))
-            else:
-                acc.add_token_mean(name, _scalar(value), tokens)
+
+        def add(values: dict[str, float]) -> None:
+            tokens = values.pop("_tokens")
+            for name, value in values.items():
+                if name == "behavior_weight_max":
+                    acc.behavior_max = max(acc.behavior_max, value)
+                else:
+                    acc.add_token_mean(name, value, tokens)
+
+        acc.reads.defer({**metrics, "_tokens": micro.loss_mask.sum()}, add)
         return proximal, weights
 
     def _record_logprob_gap(
@@ -737,17 +760,22 @@ class Learner(CheckpointMixin, SupervisedMixin):
         """Inference/training mismatch: mean |behaviour - learner| log-prob (nats) over the
         staleness-0 policy tokens only (sampled by the weights the learner holds now: per
         token, so a trajectory whose later tokens came after a mid-rollout update counts
-        those), so staleness does not leak into it. Records nothing without such a token."""
+        those), so staleness does not leak into it. Adds 0 tokens without such a token.
+        Read at the next flush of ``acc.reads``."""
         if batch.token_versions is not None:
-            fresh = (batch.token_versions == self.policy_version).to(batch.loss_mask.device)
+            fresh = batch.token_versions == self.policy_version
         else:
             fresh = (batch.policy_version_min == self.policy_version).unsqueeze(1)
-        mask = batch.loss_mask * fresh.to(batch.loss_mask.device, batch.loss_mask.dtype)
-        if not bool(mask.any()):
-            return
-        gap = (batch.behavior_logprobs - learner_logprobs.to(mask.device)).abs()
-        acc.gap_sum += _scalar((gap * mask).sum())
-        acc.gap_count += _scalar(mask.sum())
+        mask = batch.loss_mask * fresh.to(batch.loss_mask.dtype)
+        gap = (batch.behavior_logprobs - learner_logprobs).abs()
+
+        def add(values: dict[str, float]) -> None:
+            acc.gap_sum += values["sum"]
+            acc.gap_count += values["count"]
+
+        # where, not gap * mask: a NaN log-prob off the counted tokens stays out of the sum
+        total = torch.where(mask != 0, gap * mask, 0.0).sum()
+        acc.reads.defer({"sum": total, "count": mask.sum()}, add)
 
     def _logprobs(self, engine: Any, micro: TrainingBatch) -> Tensor:
         """float32 [b, T] log-probs of ``micro``'s response tokens under ``engine``, 0 off
@@ -874,15 +902,16 @@ class Learner(CheckpointMixin, SupervisedMixin):
         loss_scale = 1.0
         if norm is not None and algorithm.scale_target == "loss":
             loss_scale = self._bias_scale(norm, any_clipped, algorithm)
-        sums: dict[str, float] = defaultdict(float)
-        policy_finite, critic_finite = True, True
+        # the micro-batches' metrics stay on the device until all their backwards are
+        # queued, then are read at once (DeferredReads: no host sync per micro-batch)
+        queued: list[tuple[bool, Deferred, Deferred | None]] = []
         for index, (rows, real) in enumerate(plan):
             micro = mini.select(rows).to(self.device)
             # DeepSpeed averages gradients over ranks; the global denominators make the
             # wanted gradient their sum. Padding micro-batches contribute nothing.
             weight = float(self.world_size) if real else 0.0
             with self._probed("policy", micro, accumulating=index > 0):
-                metrics = self._policy_backward(
+                policy = self._policy_backward(
                     micro,
                     algorithm,
                     denominator,
@@ -892,10 +921,20 @@ class Learner(CheckpointMixin, SupervisedMixin):
                     loss_scale,
                     weight,
                 )
-            policy_finite &= math.isfinite(metrics["loss"])
+            critic = None
             if uses_critic(algorithm):
                 with self._probed("critic", micro, accumulating=index > 0):
-                    value_metrics = self._critic_backward(micro, algorithm, denominator, weight)
+                    critic = self._critic_backward(micro, algorithm, denominator, weight)
+            critic_read = None if critic is None else acc.reads.defer(critic)
+            queued.append((real, acc.reads.defer(policy), critic_read))
+        acc.reads.flush()
+        sums: dict[str, float] = defaultdict(float)
+        policy_finite, critic_finite = True, True
+        for real, policy_read, critic_read in queued:
+            metrics = dict(policy_read.get())
+            policy_finite &= math.isfinite(metrics["loss"])
+            if critic_read is not None:
+                value_metrics = critic_read.get()
                 critic_finite &= math.isfinite(value_metrics["loss"])
                 if real:
                     sums["value_loss"] += value_metrics["value_loss"]
@@ -969,8 +1008,9 @@ class Learner(CheckpointMixin, SupervisedMixin):
         kwargs: dict[str, Any],
         loss_scale: float,
         weight: float = 1.0,
-    ) -> dict[str, float]:
-        """Forward, loss and backward of one policy micro-batch; returns float metrics.
+    ) -> dict[str, Tensor]:
+        """Forward, loss and backward of one policy micro-batch; returns its metrics as
+        0-dim tensors on the device (read by the caller through ``acc.reads``).
 
         ``loss = loss_scale * L_pg (+ KL loss) (- entropy bonus)``: ``loss_scale`` is the
         clipping-bias scale with ``scale_target = loss``, else 1. The backward runs on
@@ -1012,11 +1052,11 @@ class Learner(CheckpointMixin, SupervisedMixin):
             loss = loss - algorithm.entropy_coef * (weights * entropy).sum()
         self._backward(self.policy_engine, loss * weight if weight != 1.0 else loss, logprobs)
         with torch.no_grad():
-            metrics = {name: _scalar(value) for name, value in out.metrics.items()}
-            metrics["kl_ref"] = _scalar(losses.masked_mean(kl_ref.detach(), mask))
-            metrics["entropy"] = _scalar(losses.masked_mean(entropy.detach(), mask))
-            metrics["loss"] = _scalar(loss)
-            metrics["num_tokens"] = _scalar(mask.sum())
+            metrics = dict(out.metrics)
+            metrics["kl_ref"] = losses.masked_mean(kl_ref.detach(), mask)
+            metrics["entropy"] = losses.masked_mean(entropy.detach(), mask)
+            metrics["loss"] = loss.detach()
+            metrics["num_tokens"] = mask.sum()
         for name in ("clip_bias_norm", "clip_bias_scale"):  # per optimizer step, not micro
             metrics.pop(name)
         return metrics
@@ -1058,6 +1098,8 @@ class Learner(CheckpointMixin, SupervisedMixin):
         norm_sq = torch.zeros((), dtype=torch.float64)
         grad_sum: list[Tensor] | None = None
         any_clipped = False
+        # logprob: each micro-batch's squared norm and clip ratio, read after the loop
+        reads: list[tuple[Tensor, Tensor]] = []
         for rows, real in plan:
             if param and not real:
                 continue  # ZeRO <= 2: no collective in this forward, nothing to keep in step
@@ -1083,10 +1125,12 @@ class Learner(CheckpointMixin, SupervisedMixin):
                     micro, logprobs, algorithm, acc, record=False
                 )
                 out = losses.compute_policy_loss(logprobs, old, *inputs[1:], **options)
-            if not real:
-                continue
-            norm_sq += out.metrics["clip_bias_norm_sq"].double().cpu()
-            any_clipped |= bool(out.metrics["clip_ratio"] > 0)
+            if real:
+                reads.append((out.metrics["clip_bias_norm_sq"], out.metrics["clip_ratio"]))
+        values = read_scalars([v for pair in reads for v in pair])
+        for part_sq, clip_ratio in zip(values[::2], values[1::2], strict=True):
+            norm_sq += part_sq
+            any_clipped |= clip_ratio > 0
         if param and self.world_size > 1:
             import torch.distributed as dist
 
@@ -1157,7 +1201,9 @@ class Learner(CheckpointMixin, SupervisedMixin):
 
     def _critic_backward(
         self, micro: TrainingBatch, algorithm: BaseModel, denominator: float, weight: float = 1.0
-    ) -> dict[str, float]:
+    ) -> dict[str, Tensor]:
+        """Forward, value loss and backward of one critic micro-batch; its metrics as 0-dim
+        tensors on the device, as :meth:`_policy_backward`."""
         values = self._values(micro)
         out = losses.compute_value_loss(
             values,
@@ -1170,18 +1216,22 @@ class Learner(CheckpointMixin, SupervisedMixin):
         )
         loss = algorithm.value_loss_coef * out.loss
         self._backward(self.critic_engine, loss * weight if weight != 1.0 else loss, values)
-        metrics = {name: _scalar(value) for name, value in out.metrics.items()}
-        metrics["loss"] = _scalar(loss)
-        return metrics
+        return {**out.metrics, "loss": loss.detach()}
 
     @staticmethod
     def _backward(engine: Any, loss: Tensor, output: Tensor) -> None:
-        """``engine.backward(loss)``; a non-finite loss instead poisons every gradient with
-        NaN (through ``output``, which depends on all trained parameters), so the step's
-        overflow check cannot miss it even where the loss's NaN would not reach a gradient."""
-        if not torch.isfinite(loss.detach()):
-            loss = output.float().sum() * float("nan")
-        engine.backward(loss, scale_wrt_gas=False)
+        """``engine.backward(loss)``; a non-finite loss also poisons every gradient with NaN
+        (the gradient reaching ``output``, which depends on all trained parameters, gets
+        NaN added), so the step's overflow check cannot miss it even where the loss's NaN
+        would not reach a gradient. Decided on the device: the host does not wait for the
+        loss (a finite one adds 0, which changes no gradient)."""
+        poison = torch.where(torch.isfinite(loss.detach()), 0.0, math.nan)
+        handle = output.register_hook(lambda grad: grad + poison) if output.requires_grad else None
+        try:
+            engine.backward(loss, scale_wrt_gas=False)
+        finally:
+            if handle is not None:
+                handle.remove()
 
     def _optimizer_step(self, engine: Any, loss_finite: bool) -> tuple[bool, float]:
         """Step ``engine`` unless its gradients are non-finite; (applied, pre-clip norm)."""

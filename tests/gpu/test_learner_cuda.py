@@ -18,6 +18,7 @@ from learner_factories import expected_sft_loss, make_batch, make_uneven_batch
 from transformers import AutoModelForCausalLM
 
 from learner.config import VARIANT_CONFIGS, LearnerConfig, PPOConfig, STPPOConfig
+from learner.host_syncs import count_syncs
 from learner.trainer import Learner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
@@ -113,6 +114,47 @@ def test_packed_step_on_cuda_equals_padded(tiny_llama_dir: Path, dtype: str):
         for key in ("pg_loss", "value_loss", "kl_ref", "entropy", "advantage_mean"):
             want, got = metrics["padded"][key], metrics[layout][key]
             assert got == pytest.approx(want, abs=tolerance), (layout, key)
+
+
+def _cuda_syncs(learner: Learner, trajectories: list) -> int:
+    """Synchronising CUDA calls in one learner step (``torch.cuda.set_sync_debug_mode``
+    warns at each one: a host read of a CUDA tensor, a blocking copy, ``nonzero``...)."""
+    engines = [learner.policy_engine, learner.critic_engine, learner.reference_engine]
+    step = lambda: learner.step(trajectories)  # noqa: E731
+    return sum(count_syncs(step, [e for e in engines if e], learner.device).values())
+
+
+@pytest.mark.parametrize("layout", ["packed", "varlen"])
+def test_packed_micro_batches_add_few_host_syncs_on_cuda(
+    tiny_llama_dir: Path, layout, record_property
+):
+    """The CUDA side of ``tests/unit/test_host_syncs.py``: eight micro-batches per step
+    against two (the same optimizer steps), bf16, ZeRO-2, st_ppo (policy and critic). Each
+    micro-batch may add the syncs between its forwards and its backward (transformers'
+    packed-mask check in each forward, the policy-token ``nonzero``, the loss's input
+    check): at most 4; its metrics are read once per optimizer step and its tensors
+    uploaded without a wait. The counts go into the junit report."""
+    syncs = {}
+    for micro in (1, 4):
+        learner = Learner(
+            tiny_llama_dir,
+            config(
+                dtype="bf16",
+                zero_stage=2,
+                train_batch_size=8,
+                mini_batch_size=4,
+                micro_batch_size=micro,
+                **LAYOUTS[layout],
+            ),
+            STPPOConfig(),
+            seed=0,
+        )
+        learner.step(make_uneven_batch(0, 8))  # warm: allocations, the token budget
+        syncs[micro] = _cuda_syncs(learner, make_uneven_batch(1, 8))
+        record_property(f"syncs_per_step_micro{micro}", syncs[micro])
+    per_micro_batch = (syncs[1] - syncs[4]) / 6
+    record_property("syncs_per_added_micro_batch", per_micro_batch)
+    assert per_micro_batch <= 4, syncs
 
 
 def test_packed_varlen_kernel_on_cuda_equals_segments():

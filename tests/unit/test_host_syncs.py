@@ -1,0 +1,152 @@
+"""The learner's micro-batch loop does not make the host wait for the GPU.
+
+A host read of a CUDA tensor (``.item()``, ``float()``, ``bool()``) or a blocking copy to
+the GPU waits for every kernel queued before it; one per metric and micro-batch kept the
+host from preparing the next micro-batch while the GPU ran the last one's backward. The
+step's metrics are now read once per optimizer step (:class:`DeferredReads`) and host
+tensors go up without a wait (:func:`learner.batch.to_device`). Checked on the CPU with
+:class:`learner.host_syncs.SimulatedDevice` (the CPU twin of ``torch.cuda.set_sync_debug_mode``),
+and on CUDA by ``tests/gpu/test_learner_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from learner_factories import make_tiny_learner, make_uneven_batch
+
+from learner.batch import to_device
+from learner.config import PPOConfig, SOGRPOConfig, STPPOConfig
+from learner.host_syncs import SimulatedDevice
+from learner.step_metrics import DeferredReads, read_scalars
+
+MID_FORWARD = {("learner/logprobs.py", "nonzero"), ("learner/losses.py", "tolist")}
+"""The syncs a micro-batch may still make in this project's code, both between its forward
+and its backward, where the host has nothing queued behind them: the policy-token gather's
+``nonzero`` (:func:`learner.logprobs.masked_token_stats`: its size is the number of policy
+tokens) and the policy loss's one check of its inputs' values."""
+
+
+def test_read_scalars_is_float_of_item_exactly():
+    values = [
+        torch.tensor(0.1, dtype=torch.float32),
+        torch.tensor([2**40 + 1]),
+        torch.tensor(True),
+        None,
+        2.5,
+        torch.tensor(-math.inf),
+    ]
+    got = read_scalars(values)
+    assert got[:3] == [float(values[0].item()), float(2**40 + 1), 1.0]
+    assert math.isnan(got[3]) and got[4:] == [2.5, -math.inf]
+
+
+def test_deferred_reads_fill_on_flush_and_call_back_in_order():
+    reads, calls = DeferredReads(), []
+    first = reads.defer({"a": torch.tensor(1.5), "b": 2}, lambda v: calls.append(("first", v)))
+    second = reads.defer({"c": torch.tensor(3)}, lambda v: calls.append(("second", v)))
+    with pytest.raises(RuntimeError, match="before the flush"):
+        first.get()
+    reads.flush()
+    assert first.get() == {"a": 1.5, "b": 2.0} and second.get() == {"c": 3.0}
+    assert calls == [("first", {"a": 1.5, "b": 2.0}), ("second", {"c": 3.0})]
+    reads.flush()  # nothing queued: nothing read, nothing called again
+    assert len(calls) == 2
+
+
+def test_simulated_device_flags_reads_of_device_tensors_and_blocking_uploads():
+    weight = torch.nn.Linear(2, 2)
+    host = torch.ones(2)
+    with SimulatedDevice([weight]) as sim:
+        float(host.sum())  # a host tensor: free
+        out = weight(host)  # computed from a resident parameter: resident
+        out.sum().item()
+        uploaded = host.to("cpu")  # blocking
+        bool(uploaded.any())
+        to_device(host, "cpu").sum()  # non-blocking: no sync
+    kinds = Counter(site.split()[-1] for site in sim.syncs.elements())
+    assert kinds == Counter({"item": 1, "(to)": 1, "__bool__": 1})
+
+
+def _our_syncs(sim: SimulatedDevice) -> Counter[tuple[str, str]]:
+    """(file, kind) -> count of the syncs whose innermost frame is this project's code (not
+    transformers' or DeepSpeed's, which it calls)."""
+    out: Counter[tuple[str, str]] = Counter()
+    for site, count in sim.syncs.items():
+        where, kind = site.split(" ", 1)
+        if " <- " not in site:
+            out[(where.rsplit(":", 1)[0], kind)] += count
+    return out
+
+
+def _step_syncs(tiny_llama_dir, algorithm, micro: int, **overrides) -> Counter[tuple[str, str]]:
+    learner = make_tiny_learner(
+        tiny_llama_dir,
+        algorithm,
+        train_batch_size=8,
+        mini_batch_size=4,
+        micro_batch_size=micro,
+        **overrides,
+    )
+    learner.step(make_uneven_batch(0, 8))
+    engines = [learner.policy_engine, learner.critic_engine, learner.reference_engine]
+    with SimulatedDevice([e for e in engines if e is not None]) as sim:
+        learner.step(make_uneven_batch(1, 8))
+    return _our_syncs(sim)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "overrides"),
+    [
+        (STPPOConfig(), {"dtype": "bf16", "zero_stage": 2}),
+        (STPPOConfig(), {"pack_sequences": True}),
+        (PPOConfig(off_policy="decoupled", proximal="loglinear"), {"pack_sequences": True}),
+        (SOGRPOConfig(), {}),
+    ],
+    ids=["st_ppo-bf16-zero2", "st_ppo-packed", "ppo-decoupled-loglinear", "so_grpo"],
+)
+def test_micro_batches_add_no_host_sync_but_the_two_mid_forward_ones(
+    tiny_llama_dir, algorithm, overrides
+):
+    """Eight micro-batches per step against two, the same optimizer steps: every sync the
+    six more micro-batches add is one of :data:`MID_FORWARD`; nothing in the step uploads
+    a host tensor with a blocking copy."""
+    many = _step_syncs(tiny_llama_dir, algorithm, 1, **overrides)
+    few = _step_syncs(tiny_llama_dir, algorithm, 4, **overrides)
+    added = {site: many[site] - few[site] for site in many if many[site] > few[site]}
+    assert set(added) <= MID_FORWARD, added
+    assert not [site for site in many if site[1].startswith("blocking upload")], many
+
+
+class _PlainEngine:
+    """``engine.backward`` as DeepSpeed's, for a plain module."""
+
+    @staticmethod
+    def backward(loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        loss.backward()
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_nonfinite_loss_poisons_every_gradient_without_a_host_read(finite):
+    """A NaN that reaches no gradient (here a constant added to the loss) still makes every
+    gradient NaN, so the optimizer step's overflow check skips it; a finite loss's
+    gradients are the plain backward's, bit for bit. Decided on the device: no sync."""
+    from learner.trainer import Learner
+
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+    constant = torch.tensor(0.0 if finite else math.nan)
+    output = model(x)
+    with SimulatedDevice([model]) as sim:
+        Learner._backward(_PlainEngine(), output.square().sum() + constant, output)
+    assert sim.total == 0
+    grads = [p.grad.clone() for p in model.parameters()]
+    if not finite:
+        assert all(torch.isnan(g).all() for g in grads)
+        return
+    model.zero_grad()
+    model(x).square().sum().backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
