@@ -74,7 +74,9 @@ seconds.
 
 Peak memory per step: the resident-set high-water mark of this process, reset before each
 step (``/proc/self/clear_refs`` after ``malloc_trim``), in GiB; on a GPU also the step's
-peak of allocated GPU memory (``torch.cuda.max_memory_allocated`` after a reset).
+peak of allocated GPU memory (``torch.cuda.max_memory_allocated`` after a reset), and the
+caching allocator's ``cudaMalloc`` calls and allocation retries in the step (a retry frees
+cached blocks, synchronising the device: the step runs at the edge of memory).
 
 ``--count-syncs``: after the measured rounds, one more step per (variant or SFT, path)
 with its host syncs counted (:func:`learner.host_syncs.count_syncs`: on CUDA the
@@ -253,6 +255,16 @@ def _peak_gpu_gib() -> float:
 def _reset_peak_gpu() -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+
+
+def _allocator_counts() -> tuple[int, int]:
+    """(``cudaMalloc`` calls, allocation retries) of the CUDA caching allocator so far; (0, 0)
+    off CUDA. A retry frees cached blocks, which synchronises the device, and allocates
+    again: a step that retries runs at the edge of memory."""
+    if not torch.cuda.is_available():
+        return 0, 0
+    stats = torch.cuda.memory_stats()
+    return int(stats.get("num_device_alloc", 0)), int(stats.get("num_alloc_retries", 0))
 
 
 def _sync() -> None:
@@ -641,13 +653,16 @@ def main() -> None:
         learner.config = base.model_copy(update=path_config(path, path_configs))
         reset = _reset_peak_rss()
         _reset_peak_gpu()
+        mallocs, retries = _allocator_counts()
         if name == "sft":
             metrics = learner.supervised_step(trajectories)
         else:
             learner.set_algorithm(VARIANTS[name])
             metrics = learner.step(trajectories)
         peak = _hwm_gib() if reset else _peak_rss_gib()
-        return metrics.step_s, peak, _peak_gpu_gib(), dataclass_dict(metrics)
+        after = _allocator_counts()
+        allocator = {"gpu_mallocs": after[0] - mallocs, "alloc_retries": after[1] - retries}
+        return metrics.step_s, peak, _peak_gpu_gib(), {**dataclass_dict(metrics), **allocator}
 
     rates: list[float] = []
     peak_rates: list[float] = []
@@ -708,9 +723,15 @@ def main() -> None:
         for name in names:
             for path in paths:
                 step_s, peak, gpu_peak, metrics = run(name, path)
+                allocator = (
+                    f", cudaMalloc {metrics['gpu_mallocs']}, alloc retries "
+                    f"{metrics['alloc_retries']}"
+                    if on_gpu
+                    else ""
+                )
                 print(
                     f"  round {round_index} {name} [{path}]: {step_s:.2f} s, peak RSS "
-                    f"{peak:.2f} GiB, matmul {rates[-1] / 1e12:.2f} TFLOP/s",
+                    f"{peak:.2f} GiB, matmul {rates[-1] / 1e12:.2f} TFLOP/s{allocator}",
                     flush=True,
                 )
                 times[(name, path)].append(step_s)
@@ -777,6 +798,8 @@ def main() -> None:
                     "loss": metrics.get("loss", metrics.get("pg_loss")),
                     "entropy": metrics.get("entropy"),
                     "proximal_approx_abs_error": metrics.get("proximal_approx_abs_error"),
+                    "gpu_mallocs_last_round": metrics["gpu_mallocs"] if on_gpu else None,
+                    "alloc_retries_last_round": metrics["alloc_retries"] if on_gpu else None,
                     "host_syncs_per_step": syncs[(name, path)].total() if syncs else None,
                     "host_sync_sites": dict(syncs[(name, path)].most_common()) if syncs else None,
                 }

@@ -64,7 +64,8 @@ and a micro-batch goes up without a blocking copy (:func:`learner.batch.to_devic
 packed layout is built from lengths kept on the host). So the host slices, packs and uploads
 micro-batch k + 1 while the GPU runs micro-batch k's backward. What still waits, between a
 forward and its backward: the policy-token gather's ``nonzero``, the policy loss's one check
-of its inputs, transformers' mask checks (``tests/unit/test_host_syncs.py``).
+of its inputs, transformers' mask checks (``tests/unit/test_host_syncs.py``). DeepSpeed's
+throughput timer, which synchronised the device at every engine forward, is off.
 
 Clipping-bias norm ||C|| is the norm over the whole mini-batch (spec section 6: one per
 optimizer step), whatever ``micro_batch_size`` is: micro-batches share the mini-batch's
@@ -179,8 +180,9 @@ def deepspeed_config(
 
     Accumulation is unmanaged (``managed_gradient_accumulation = false``): the learner calls
     ``backward`` per micro-batch and ``step`` once per mini-batch, since the number of
-    micro-batches varies with excluded trajectories. ``torch_adam`` avoids DeepSpeed's own
-    Adam extension (a 54 s JIT build on CPU).
+    micro-batches varies with excluded trajectories. DeepSpeed's throughput timer is off: it
+    would synchronise the device at engine forwards and at each step. ``torch_adam`` avoids
+    DeepSpeed's own Adam extension (a 54 s JIT build on CPU).
 
     Args:
         config: the learner section.
@@ -198,6 +200,9 @@ def deepspeed_config(
         "bf16": {"enabled": bf16},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronises the device at engine forwards and at
+        # each step (its default "synchronized" timing); the learner times its own steps
+        "timers": {"throughput": {"enabled": False}},
     }
     if not with_optimizer:
         if config.zero_stage == 3:  # the frozen reference is sharded like the policy

@@ -150,3 +150,33 @@ def test_nonfinite_loss_poisons_every_gradient_without_a_host_read(finite):
     model.zero_grad()
     model(x).square().sum().backward()
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("dtype", "zero_stage"), [("bf16", 2), ("fp32", 0), ("bf16", 3)])
+def test_deepspeed_does_not_synchronise_the_device_in_a_step(
+    tiny_llama_dir, monkeypatch, dtype, zero_stage
+):
+    """DeepSpeed's throughput timer, on by default, synchronises the whole device at engine
+    forwards and optimizer steps (16 times in this step); the learner turns it off."""
+    from deepspeed.accelerator import get_accelerator
+
+    learner = make_tiny_learner(
+        tiny_llama_dir,
+        STPPOConfig(),
+        dtype=dtype,
+        zero_stage=zero_stage,
+        train_batch_size=8,
+        mini_batch_size=4,
+        micro_batch_size=2,
+    )
+    for seed in (0, 1):  # the timer starts timing at its third step
+        learner.step(make_uneven_batch(seed, 8))
+    accelerator, calls = get_accelerator(), []
+    synchronize = type(accelerator).synchronize
+    monkeypatch.setattr(
+        type(accelerator),
+        "synchronize",
+        lambda self, device_index=None: calls.append(1) or synchronize(self, device_index),
+    )
+    learner.step(make_uneven_batch(2, 8))
+    assert not calls
