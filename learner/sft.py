@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from torch import Tensor
 
 from actors.prompts import information_ids, prompt_ids
 from actors.retrieval_client import Passage
@@ -30,7 +31,7 @@ from actors.trajectory import Trajectory
 from learner.batch import collate_trajectories
 from learner.config import SFTConfig
 from learner.distributed import all_reduce_floats
-from learner.step_metrics import SupervisedStepMetrics
+from learner.step_metrics import SupervisedStepMetrics, read_scalars
 
 RetrieveFn = Callable[[list[str]], list[list[Passage]]]
 """``queries -> top-k passages per query`` (e.g. ``RetrievalClient(...).retrieve``)."""
@@ -402,7 +403,7 @@ class SupervisedMixin:
         self._set_forward_options()
         batch = collate_trajectories(list(trajectories), self.pad_token_id)
         denominator = float(batch.num_policy_tokens)
-        total, finite = 0.0, True
+        micro_losses: list[Tensor] = []  # read once, after every backward is queued
         for rows, real in self._micro_plan(batch, range(batch.batch_size)):
             micro = batch.select(rows).to(self.device)
             logprobs = self._token_stats(self.policy_engine, micro).logprobs
@@ -410,9 +411,10 @@ class SupervisedMixin:
             weight = float(self.world_size) if real else 0.0
             self._backward(self.policy_engine, loss * weight if weight != 1.0 else loss, logprobs)
             if real:
-                total += float(loss.detach())
-                finite &= math.isfinite(float(loss.detach()))
-        (total,) = all_reduce_floats([total], self.world_size, "sum")
+                micro_losses.append(loss.detach())
+        values = read_scalars(micro_losses)
+        finite = all(math.isfinite(v) for v in values)
+        (total,) = all_reduce_floats([sum(values, 0.0)], self.world_size, "sum")
         applied, grad_norm = self._optimizer_step(self.policy_engine, finite)
         if not applied:
             self.nonfinite_steps_total += 1

@@ -82,7 +82,10 @@ def _our_syncs(sim: SimulatedDevice) -> Counter[tuple[str, str]]:
     return out
 
 
-def _step_syncs(tiny_llama_dir, algorithm, micro: int, **overrides) -> Counter[tuple[str, str]]:
+def _step_syncs(
+    tiny_llama_dir, algorithm, micro: int, sft: bool = False, **overrides
+) -> Counter[tuple[str, str]]:
+    """This project's syncs in one RL step (``sft``: one SFT step) after a warm-up step."""
     learner = make_tiny_learner(
         tiny_llama_dir,
         algorithm,
@@ -91,10 +94,11 @@ def _step_syncs(tiny_llama_dir, algorithm, micro: int, **overrides) -> Counter[t
         micro_batch_size=micro,
         **overrides,
     )
-    learner.step(make_uneven_batch(0, 8))
+    step = learner.supervised_step if sft else learner.step
+    step(make_uneven_batch(0, 8))
     engines = [learner.policy_engine, learner.critic_engine, learner.reference_engine]
     with SimulatedDevice([e for e in engines if e is not None]) as sim:
-        learner.step(make_uneven_batch(1, 8))
+        step(make_uneven_batch(1, 8))
     return _our_syncs(sim)
 
 
@@ -119,6 +123,14 @@ def test_micro_batches_add_no_host_sync_but_the_two_mid_forward_ones(
     added = {site: many[site] - few[site] for site in many if many[site] > few[site]}
     assert set(added) <= MID_FORWARD, added
     assert not [site for site in many if site[1].startswith("blocking upload")], many
+
+
+def test_sft_micro_batches_add_no_host_sync_but_the_policy_token_gather(tiny_llama_dir):
+    """The warm start's SFT step reads its micro-batches' losses once, after the loop."""
+    many = _step_syncs(tiny_llama_dir, STPPOConfig(), 1, sft=True)
+    few = _step_syncs(tiny_llama_dir, STPPOConfig(), 4, sft=True)
+    added = {site: many[site] - few[site] for site in many if many[site] > few[site]}
+    assert set(added) <= {("learner/logprobs.py", "nonzero")}, added
 
 
 class _PlainEngine:
