@@ -109,7 +109,7 @@ class SimulatedDevice(TorchFunctionMode):
             source = args[0]
             if self.resident(source):
                 on_device = True
-            elif self._names_device(args[1:], kwargs):  # an upload of a host tensor
+            elif name == "cuda" or self._names_device(args[1:], kwargs):  # an upload
                 if not kwargs.get("non_blocking", False):
                     self._record(f"blocking upload ({name})")
                 if out is source:  # on the CPU, .to(cpu) is the tensor itself: keep apart
