@@ -44,23 +44,34 @@ _UPLOAD_FACTORIES = {"tensor", "as_tensor"}
 _PROJECT = Path(__file__).resolve().parents[1]
 
 
+def _site(filename: str, lineno: int) -> str | None:
+    """``file:line`` relative to this project (outside tests/) or to site-packages; None for
+    a frame of neither (this module, tests, scripts) and for torch's own Python (the
+    operation's implementation, not its caller)."""
+    path = Path(filename).resolve()
+    if path == Path(__file__).resolve() or "site-packages/torch/" in path.as_posix():
+        return None
+    if "site-packages" in path.parts:
+        parts = path.parts
+        return f"{'/'.join(parts[parts.index('site-packages') + 1 :])}:{lineno}"
+    if path.is_relative_to(_PROJECT) and not path.is_relative_to(_PROJECT / "tests"):
+        return f"{path.relative_to(_PROJECT)}:{lineno}"
+    return None
+
+
 def _where() -> str:
     """Where the sync happens: ``file:line`` of the innermost frame of this project's code
     (outside tests/), preceded by ``library/file.py:line <- `` when the innermost frame
     of all is a library's (transformers, DeepSpeed, torch) called from there."""
     library = None
     for frame in reversed(traceback.extract_stack()):
-        path = Path(frame.filename).resolve()
-        if path == Path(__file__).resolve() or "torch/overrides" in frame.filename:
+        site = _site(frame.filename, frame.lineno or 0)
+        if site is None:
             continue
-        if "site-packages" in path.parts:
-            if library is None:
-                parts = path.parts
-                library = f"{'/'.join(parts[parts.index('site-packages') + 1 :])}:{frame.lineno}"
+        if "site-packages" in frame.filename:
+            library = library or site
             continue
-        if path.is_relative_to(_PROJECT) and not path.is_relative_to(_PROJECT / "tests"):
-            ours = f"{path.relative_to(_PROJECT)}:{frame.lineno}"
-            return ours if library is None else f"{library} <- {ours}"
+        return site if library is None else f"{library} <- {site}"
     return library or "?"
 
 
@@ -149,8 +160,10 @@ def count_syncs(
         call: what to count (e.g. one learner step).
         modules: the models on ``device`` (their parameters are resident on the CPU).
         device: where they run. On CUDA, the synchronising calls PyTorch itself reports
-            (``torch.cuda.set_sync_debug_mode("warn")``; the site is the Python line of
-            the warning); elsewhere those :class:`SimulatedDevice` finds.
+            (``torch.cuda.set_sync_debug_mode("warn")``; the site is the Python line that
+            called the operation: ``learner/...`` for this project's code, the library's
+            path for transformers' or DeepSpeed's); elsewhere those :class:`SimulatedDevice`
+            finds.
 
     Returns:
         ``Counter`` of site -> syncs (``sum(...values())`` is the total).
@@ -167,5 +180,7 @@ def count_syncs(
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return Counter(
-        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)
+        _site(w.filename, w.lineno) or f"{w.filename}:{w.lineno}"
+        for w in caught
+        if "synchronizing" in str(w.message)
     )

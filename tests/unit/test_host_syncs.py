@@ -12,6 +12,7 @@ and on CUDA by ``tests/gpu/test_learner_cuda.py``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 
 import pytest
@@ -192,3 +193,29 @@ def test_deepspeed_does_not_synchronise_the_device_in_a_step(
     )
     learner.step(make_uneven_batch(2, 8))
     assert not calls
+
+
+def test_count_syncs_on_cuda_reads_pytorchs_sync_warnings_by_site(monkeypatch):
+    """On CUDA the count is PyTorch's own (``set_sync_debug_mode("warn")``, switched off
+    again after the call); each warning is placed at this project's file or the library's,
+    and other warnings are not counted. The warnings are written here: no GPU needed."""
+    from pathlib import Path
+
+    import learner.host_syncs as host_syncs
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    root = Path(host_syncs.__file__).resolve().parents[1]
+    library = "/venv/lib/python3.12/site-packages/transformers/masking_utils.py"
+
+    def call():
+        for filename, line in [(root / "learner/logprobs.py", 265), (library, 757)] * 2:
+            message = "called a synchronizing CUDA operation"
+            warnings.warn_explicit(message, UserWarning, str(filename), line)
+        warnings.warn("not a sync", stacklevel=1)
+
+    counted = host_syncs.count_syncs(call, [], torch.device("cuda"))
+    assert counted == Counter(
+        {"learner/logprobs.py:265": 2, "transformers/masking_utils.py:757": 2}
+    )
+    assert modes == ["warn", "default"]
