@@ -741,13 +741,10 @@ def main() -> None:
 
     syncs: dict[tuple[str, str], Counter[str]] = {}
     if args.count_syncs:  # one more step per (step, path), not timed
-        engines = [learner.policy_engine, learner.critic_engine, learner.reference_engine]
         for name in names:
             for path in paths:
                 counted = count_syncs(
-                    lambda name=name, path=path: run(name, path),
-                    [e for e in engines if e is not None],
-                    learner.device,
+                    lambda name=name, path=path: run(name, path), learner.engines, learner.device
                 )
                 syncs[(name, path)] = counted
                 top = ", ".join(f"{site} x{n}" for site, n in counted.most_common(4))

@@ -334,6 +334,12 @@ class Learner(CheckpointMixin, SupervisedMixin):
         self.budget_settled = self.device.type != "cuda"
         self.memory_probe = MemoryProbe()
 
+    @property
+    def engines(self) -> list[Any]:
+        """The three DeepSpeed engines: policy, critic, reference (every variant has all
+        three)."""
+        return [self.policy_engine, self.critic_engine, self.reference_engine]
+
     # ------------------------------------------------------------------ control
 
     @property

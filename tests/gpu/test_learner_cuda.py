@@ -121,9 +121,8 @@ def _cuda_syncs(learner: Learner, trajectories: list) -> Counter:
     """Synchronising CUDA calls in one learner step by site (``count_syncs``: PyTorch's
     ``set_sync_debug_mode`` warns at each one: a host read of a CUDA tensor, a blocking
     copy, ``nonzero``...)."""
-    engines = [learner.policy_engine, learner.critic_engine, learner.reference_engine]
     step = lambda: learner.step(trajectories)  # noqa: E731
-    return count_syncs(step, [e for e in engines if e], learner.device)
+    return count_syncs(step, learner.engines, learner.device)
 
 
 @pytest.mark.parametrize("layout", ["packed", "varlen"])

@@ -97,8 +97,7 @@ def _step_syncs(
     )
     step = learner.supervised_step if sft else learner.step
     step(make_uneven_batch(0, 8))
-    engines = [learner.policy_engine, learner.critic_engine, learner.reference_engine]
-    with SimulatedDevice([e for e in engines if e is not None]) as sim:
+    with SimulatedDevice(learner.engines) as sim:
         step(make_uneven_batch(1, 8))
     return _our_syncs(sim)
 
