@@ -134,7 +134,6 @@ from learner.step_metrics import (
     Selection,
     StepAccumulator,
     StepMetrics,
-    read_scalars,
     step_metrics,
     turn_advantages,
 )
@@ -1109,8 +1108,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
         norm_sq = torch.zeros((), dtype=torch.float64)
         grad_sum: list[Tensor] | None = None
         any_clipped = False
-        # logprob: each micro-batch's squared norm and clip ratio, read after the loop
-        reads: list[tuple[Tensor, Tensor]] = []
+        parts: list[Deferred] = []  # logprob: read once, after the loop (acc.reads)
         for rows, real in plan:
             if param and not real:
                 continue  # ZeRO <= 2: no collective in this forward, nothing to keep in step
@@ -1137,11 +1135,12 @@ class Learner(CheckpointMixin, SupervisedMixin):
                 )
                 out = losses.compute_policy_loss(logprobs, old, *inputs[1:], **options)
             if real:
-                reads.append((out.metrics["clip_bias_norm_sq"], out.metrics["clip_ratio"]))
-        values = read_scalars([v for pair in reads for v in pair])
-        for part_sq, clip_ratio in zip(values[::2], values[1::2], strict=True):
-            norm_sq += part_sq
-            any_clipped |= clip_ratio > 0
+                wanted = ("clip_bias_norm_sq", "clip_ratio")
+                parts.append(acc.reads.defer({k: out.metrics[k] for k in wanted}))
+        acc.reads.flush()
+        for part in (deferred.get() for deferred in parts):
+            norm_sq += part["clip_bias_norm_sq"]
+            any_clipped |= part["clip_ratio"] > 0
         if param and self.world_size > 1:
             import torch.distributed as dist
 
