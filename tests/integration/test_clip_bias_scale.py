@@ -1,6 +1,8 @@
 """The clipping-bias scale on the real DeepSpeed learner: one ``||C||`` and one ``s`` per
 optimizer step (independent of ``micro_batch_size``), and ``scale_target = update`` shrinks
-the AdamW step by exactly ``s`` where a loss multiplier barely moves it (spec section 6)."""
+the AdamW step by exactly ``s`` where a loss multiplier barely moves it (spec section 6);
+``scale_target = loss`` takes ``s`` from the pre-pass before the first backward, clipped flag
+included (``divide``)."""
 
 from __future__ import annotations
 
@@ -60,3 +62,31 @@ def test_update_target_moves_parameters_exactly_s_times_as_far(tiny_llama_dir, t
         )  # fp32 ulp of the weights
     else:
         assert ratio > 0.8  # AdamW's first step is ~lr * sign(g): the multiplier cancels
+
+
+@pytest.mark.parametrize(("bias_norm", "micro"), [("logprob", 1), ("logprob", 4), ("param", 2)])
+def test_divide_scale_comes_from_the_pre_pass_when_tokens_clip(tiny_llama_dir, bias_norm, micro):
+    """``normalize_mode = divide``, ``scale_target = loss``: the pre-pass before the first
+    backward measures ||C|| and whether any token clipped, and the loss is multiplied by
+    s = 1 / (||C|| + delta) when one did (by 1 when none did): the gradient is s times the
+    unscaled one (the same first step with s = 1 from an unreachable tau)."""
+
+    def first_step(**options):
+        algorithm = STPPOConfig(
+            off_policy="behavior",
+            token_log_ratio_bound=None,
+            scale_target="loss",
+            bias_norm=bias_norm,
+            **options,
+        )
+        learner = make_tiny_learner(tiny_llama_dir, algorithm, micro_batch_size=micro)
+        return learner.step(make_batch(5))
+
+    unscaled = first_step(tau=1e6)
+    divided = first_step(normalize_mode="divide")
+    assert unscaled.clip_bias_scale == 1.0 and divided.clip_ratio > 0.0
+    assert divided.clip_bias_norm == pytest.approx(unscaled.clip_bias_norm, rel=1e-5)
+    scale = 1.0 / (divided.clip_bias_norm + 1e-8)
+    assert divided.clip_bias_scale == pytest.approx(scale, rel=1e-5)
+    assert scale != pytest.approx(1.0, rel=1e-2)
+    assert divided.grad_norm == pytest.approx(scale * unscaled.grad_norm, rel=1e-4)
