@@ -97,6 +97,8 @@ class TrainingBatch:
             decoupled PPO).
         behavior_weights: float32 [B, T] or None; decoupled PPO's truncated
             pi_prox / pi_behaviour (:func:`learner.losses.behavior_importance_weights`).
+        policy_positions: ``(rows, columns)`` of the policy tokens, int64 [N] each, or None;
+            set by :meth:`to` (read them through :meth:`policy_token_positions`).
     """
 
     input_ids: Tensor
@@ -122,6 +124,7 @@ class TrainingBatch:
     advantages: Tensor | None = None
     returns: Tensor | None = None
     behavior_weights: Tensor | None = None
+    policy_positions: tuple[Tensor, Tensor] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -143,17 +146,39 @@ class TrainingBatch:
         """Real (non-pad) tokens, prompt and response, i.e. what a forward pass processes."""
         return int(self.attention_mask.sum().item())
 
+    def policy_token_positions(self) -> tuple[Tensor, Tensor]:
+        """``(rows, columns)`` of the policy tokens (``loss_mask != 0``), int64 [N] each in
+        row-major order, N the number of policy tokens: where the chunked LM head computes
+        (:func:`learner.logprobs.masked_token_stats`).
+
+        A batch moved by :meth:`to` carries them, found on the host before the move; others
+        compute them here, which on a GPU makes the host wait (``nonzero``'s size is data).
+        """
+        if self.policy_positions is not None:
+            return self.policy_positions
+        return (self.loss_mask != 0).nonzero(as_tuple=True)
+
     def to(self, device: torch.device | str) -> TrainingBatch:
         """The same batch with its tensors on ``device`` (no copy when already there), but
         :data:`HOST_FIELDS`, which stay where they are; copied by :func:`to_device`, so a
-        host batch reaches a GPU without the host waiting for the GPU's queued work."""
+        host batch reaches a GPU without the host waiting for the GPU's queued work. The
+        copy carries :meth:`policy_token_positions`, computed where the batch was (on the
+        host: no wait)."""
         changes: dict[str, Tensor | None] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None and f.name not in HOST_FIELDS:
+        for name, value in self._tensor_fields():
+            if value is not None and name not in HOST_FIELDS:
                 value = to_device(value, device)
-            changes[f.name] = value
-        return TrainingBatch(**changes)
+            changes[name] = value
+        rows, columns = (to_device(t, device) for t in self.policy_token_positions())
+        return TrainingBatch(**changes, policy_positions=(rows, columns))
+
+    def _tensor_fields(self) -> list[tuple[str, Tensor | None]]:
+        """``(name, value)`` of every field but ``policy_positions`` (derived, not per row)."""
+        return [
+            (f.name, getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name != "policy_positions"
+        ]
 
     def select(self, indices: Sequence[int] | Tensor) -> TrainingBatch:
         """Rows ``indices`` as a new batch, with padding columns no row needs trimmed away.
@@ -174,17 +199,16 @@ class TrainingBatch:
         stop = old_prompt_width + new_response_width
         num_response_columns = self.response_ids.shape[1]
         changes: dict[str, Tensor | None] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+        for name, value in self._tensor_fields():
             if value is None:
-                changes[f.name] = None
+                changes[name] = None
                 continue
             rows = value[index]
-            if f.name in _SEQUENCE_FIELDS:
+            if name in _SEQUENCE_FIELDS:
                 rows = rows[:, start:stop]
             elif rows.dim() == 2 and value.shape[1] == num_response_columns:
                 rows = rows[:, :new_response_width]
-            changes[f.name] = rows.contiguous()
+            changes[name] = rows.contiguous()
         return TrainingBatch(**changes)
 
 

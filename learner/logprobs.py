@@ -222,7 +222,7 @@ def lm_head_of(model: nn.Module) -> nn.Linear | None:
 def masked_token_stats(
     model: nn.Module,
     batch: TrainingBatch,
-    mask: Tensor,
+    positions: tuple[Tensor, Tensor],
     head: nn.Linear,
     *,
     temperature: float = 1.0,
@@ -231,19 +231,21 @@ def masked_token_stats(
     packed: bool = False,
     varlen: bool = False,
 ) -> TokenStats:
-    """Log-probs (and entropy) of the response tokens where ``mask`` is 1, chunked.
+    """Log-probs (and entropy) of the response tokens at ``positions``, chunked.
 
     One forward of ``model`` (the engine, so DeepSpeed's hooks run) with
     ``output_hidden_states`` and no LM-head column (``logits_to_keep`` = an empty index),
     then :func:`chunked_logprobs` on the last hidden states at the columns that predict the
-    masked response tokens t (``P - 1 + t`` padded; packed: :mod:`learner.packing`).
+    wanted response tokens t (``P - 1 + t`` padded; packed: :mod:`learner.packing`).
 
     Args:
         model: an HF causal LM or a DeepSpeed engine wrapping one; ``head`` its LM head
             (:func:`lm_head_of`).
         batch: the collated micro-batch (prompt width P, response width T), on the model's
             device.
-        mask: [B, T], nonzero where a value is wanted (the policy tokens).
+        positions: ``(rows, columns)``, int64 [N] each: the [B, T] entries wanted, e.g.
+            the policy tokens (:meth:`TrainingBatch.policy_token_positions`, found on the
+            host: a ``nonzero`` here would make the host wait for the forward).
         temperature, chunk_tokens, with_entropy: as in :func:`chunked_logprobs`.
         packed: run the forward on the trajectories packed without padding
             (:func:`learner.packing.packed_inputs`) instead of the padded batch; the values
@@ -253,7 +255,7 @@ def masked_token_stats(
             switched: :func:`learner.attention.set_varlen_attention`).
 
     Returns:
-        :class:`TokenStats` with [B, T] tensors, zero where ``mask`` is 0.
+        :class:`TokenStats` with [B, T] tensors, zero off ``positions``.
     """
     inputs = model_inputs(batch, packed, varlen)
     out = model(
@@ -262,7 +264,7 @@ def masked_token_stats(
         output_hidden_states=True,
         use_cache=False,
     )
-    rows, cols = (mask != 0).nonzero(as_tuple=True)
+    rows, cols = positions
     hidden = inputs.states(out.hidden_states[-1], inputs.state_index[rows, cols])
     labels = batch.response_ids[rows, cols]
     logprobs, entropy = chunked_logprobs(

@@ -186,8 +186,10 @@ def _check_policy_inputs(
     clip_eps_low: float,
     clip_eps_high: float,
     objective: PolicyObjective = "clip",
+    check_values: bool = True,
 ) -> None:
-    """Shape/dtype/value checks of the policy-loss inputs; raises ValueError naming the problem."""
+    """Shape/dtype/option checks of the policy-loss inputs and, with ``check_values``, the
+    checks that read their values (one host read); raises ValueError naming the problem."""
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     named = {
@@ -210,6 +212,8 @@ def _check_policy_inputs(
         raise ValueError(f"clip_eps_low must be > 0 (>= 1: no lower bound), got {clip_eps_low}")
     if clip_eps_high <= 0.0:
         raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
+    if not check_values:
+        return
     policy = loss_mask != 0
     seq_len = logprobs.shape[1]
     # One host sync for all value checks.
@@ -650,6 +654,7 @@ def _surrogate_parts(
     behavior_weights: Tensor | None,
     segment_gradient: SegmentGradient,
     objective: PolicyObjective,
+    check_values: bool,
 ) -> _SurrogateParts:
     _check_policy_inputs(
         logprobs,
@@ -660,6 +665,7 @@ def _surrogate_parts(
         clip_eps_low,
         clip_eps_high,
         objective,
+        check_values,
     )
     if ratio_level == "sequence":
         turn_ids = sequence_turn_ids(loss_mask)
@@ -732,6 +738,7 @@ def clip_bias_surrogate(
     behavior_weights: Tensor | None = None,
     segment_gradient: SegmentGradient = "mean",
     objective: PolicyObjective = "clip",
+    check_values: bool = True,
 ) -> Tensor:
     """The clipped-token surrogate ``S = sum_{t in Clip} w_t ratio_t A_t`` (differentiable).
 
@@ -768,6 +775,7 @@ def clip_bias_surrogate(
         behavior_weights=behavior_weights,
         segment_gradient=segment_gradient,
         objective=objective,
+        check_values=check_values,
     )
     clipped = parts.gradient_removed().to(parts.ratio.dtype)
     return (parts.weights * clipped * parts.ratio * parts.advantages).sum()
@@ -791,6 +799,7 @@ def clip_bias_logprob_grad(
     behavior_weights: Tensor | None = None,
     segment_gradient: SegmentGradient = "mean",
     objective: PolicyObjective = "clip",
+    check_values: bool = True,
 ) -> Tensor:
     """The clipping bias C under ``bias_norm: logprob``, per token, in closed form.
 
@@ -827,6 +836,7 @@ def clip_bias_logprob_grad(
         behavior_weights=behavior_weights,
         segment_gradient=segment_gradient,
         objective=objective,
+        check_values=check_values,
     )
     return _clip_bias_logprob_grad_from_parts(
         parts.ratios,
@@ -860,6 +870,7 @@ def compute_policy_loss(
     behavior_weights: Tensor | None = None,
     segment_gradient: SegmentGradient = "mean",
     objective: PolicyObjective = "clip",
+    check_values: bool = True,
 ) -> PolicyLossOutput:
     """Clipped PPO surrogate (or CISPO) with token, turn or sequence ratios and the
     clipping-bias scale.
@@ -911,14 +922,21 @@ def compute_policy_loss(
         segment_gradient: ``"mean"`` or ``"token"`` (GSPO-token), see
             :func:`importance_log_ratios`.
         objective: ``"clip"`` (PPO's clipped surrogate) or ``"cispo"``.
+        check_values: ``False`` skips the checks that read the inputs' values (an empty
+            ``loss_mask``, ``turn_ids`` out of range): they read back to the host, which on
+            a GPU waits for every kernel queued before. For callers whose inputs hold them
+            by construction: the learner's rows come from
+            :func:`learner.batch.collate_trajectories`, which validates each trajectory and
+            keeps only those with a policy token. Shapes, dtypes and options are always
+            checked.
 
     Returns:
         :class:`PolicyLossOutput`: ``loss = s * L_base`` and detached metrics.
 
     Raises:
         ValueError: mismatched shapes, non-integer ``turn_ids``, an empty ``loss_mask``, a
-            masked token with ``turn_ids < 0``, ``turn_ids >= T``, unknown modes, bad
-            eps/tau/delta/bound/clip_ratio_c.
+            masked token with ``turn_ids < 0``, ``turn_ids >= T`` (these three only with
+            ``check_values``), unknown modes, bad eps/tau/delta/bound/clip_ratio_c.
 
     Example (one token, A = 1, ratio e^0.1 inside the clip range):
         ``compute_policy_loss(tensor([[0.1]], requires_grad=True), tensor([[0.]]),
@@ -942,6 +960,7 @@ def compute_policy_loss(
         behavior_weights=behavior_weights,
         segment_gradient=segment_gradient,
         objective=objective,
+        check_values=check_values,
     )
     ratio, adv = parts.ratio, parts.advantages
     if objective == "cispo":

@@ -62,9 +62,10 @@ stay on the device until all their backwards are queued and are read in one tran
 (:class:`learner.step_metrics.DeferredReads`), the non-finite guard is decided on the device,
 and a micro-batch goes up without a blocking copy (:func:`learner.batch.to_device`; its
 packed layout is built from lengths kept on the host). So the host slices, packs and uploads
-micro-batch k + 1 while the GPU runs micro-batch k's backward. What still waits, between a
-forward and its backward: the policy-token gather's ``nonzero``, the policy loss's one check
-of its inputs, transformers' mask checks (``tests/unit/test_host_syncs.py``). DeepSpeed's
+micro-batch k + 1 while the GPU runs micro-batch k's backward; nor between a forward and its
+backward: the policy tokens' positions come from the host (:meth:`TrainingBatch.to`) and the
+loss skips its checks of values the collation guarantees. What still waits is transformers'
+mask check at the start of each forward (``tests/unit/test_host_syncs.py``). DeepSpeed's
 throughput timer, which synchronised the device at every engine forward, is off.
 
 Clipping-bias norm ||C|| is the norm over the whole mini-batch (spec section 6: one per
@@ -814,7 +815,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
             return masked_token_stats(
                 engine,
                 micro,
-                micro.loss_mask,
+                micro.policy_token_positions(),
                 head,
                 temperature=self.temperature,
                 chunk_tokens=chunk,
@@ -1073,7 +1074,10 @@ class Learner(CheckpointMixin, SupervisedMixin):
 
     def _policy_loss_kwargs(self, algorithm: BaseModel) -> dict[str, Any]:
         """Loss options of :func:`losses.compute_policy_loss` (the clipping-bias scale is
-        applied by the trainer, once per optimizer step)."""
+        applied by the trainer, once per optimizer step). Without the loss's checks of its
+        inputs' values (a host read between a forward and its backward): every row comes
+        from :func:`collate_trajectories`, which validated its trajectory and that it has a
+        policy token."""
         turn = uses_turn_ratio(algorithm)
         return {
             "ratio_level": ratio_level(algorithm),
@@ -1085,6 +1089,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
             "clip_ratio_c": algorithm.clip_ratio_c,
             "segment_gradient": "token" if isinstance(algorithm, GSPOConfig) else "mean",
             "objective": policy_objective(algorithm),
+            "check_values": False,
         }
 
     def _mini_batch_clip_bias(

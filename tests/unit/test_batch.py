@@ -60,6 +60,21 @@ def test_select_trims_padding_columns():
     assert swapped.input_ids.tolist() == [[PAD, 7, 12, 13, PAD, PAD], [5, 6, 8, 9, 10, 11]]
 
 
+def test_a_moved_batch_carries_its_policy_token_positions():
+    """``to`` finds the policy tokens where the batch is (the host: no wait for a GPU) and
+    carries them; ``select`` drops them (other rows, other columns)."""
+    batch = collate_trajectories(_two_trajectories(), pad_token_id=PAD)
+    assert batch.policy_positions is None
+    rows, cols = batch.policy_token_positions()  # computed from the mask
+    assert rows.tolist() == [0, 0, 1, 1] and cols.tolist() == [0, 3, 0, 1]
+    moved = batch.to("cpu")
+    assert [t.tolist() for t in moved.policy_positions] == [[0, 0, 1, 1], [0, 3, 0, 1]]
+    assert moved.policy_token_positions() is moved.policy_positions
+    row1 = moved.select([1])
+    assert row1.policy_positions is None
+    assert [t.tolist() for t in row1.to("cpu").policy_token_positions()] == [[0, 0], [0, 1]]
+
+
 def test_group_ids_first_seen_order():
     trajs = [
         make_trajectory([1], [2], [1], group_id="x"),

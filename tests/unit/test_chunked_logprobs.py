@@ -100,7 +100,13 @@ def test_masked_token_stats_equals_full_model_path(tiny_llama_dir):
     want_lp = token_logprobs(logits, batch.response_ids) * mask
     want_h = losses.entropy_from_logits(logits) * mask
     stats = masked_token_stats(
-        model, batch, mask, head, temperature=0.8, chunk_tokens=7, with_entropy=True
+        model,
+        batch,
+        batch.policy_token_positions(),
+        head,
+        temperature=0.8,
+        chunk_tokens=7,
+        with_entropy=True,
     )
     torch.testing.assert_close(stats.logprobs, want_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats.entropy, want_h, rtol=1e-5, atol=1e-5)
@@ -126,6 +132,7 @@ def test_bf16_model_paths_agree_at_a_temperature(tiny_llama_dir):
     mask = batch.loss_mask
     with torch.no_grad():
         full = token_logprobs(response_logits(model, batch, temperature=0.7), batch.response_ids)
-        chunked = masked_token_stats(model, batch, mask, head, temperature=0.7, chunk_tokens=7)
+        positions = batch.policy_token_positions()
+        chunked = masked_token_stats(model, batch, positions, head, temperature=0.7, chunk_tokens=7)
     gap = ((full - chunked.logprobs).abs() * mask).max().item()
     assert gap < 1e-4, f"bf16 full vs chunked log-prob gap {gap:.2e} at temperature 0.7"

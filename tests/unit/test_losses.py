@@ -307,6 +307,27 @@ def test_policy_loss_input_errors():
         compute_policy_loss(logprobs, old, adv, mask, turn_ids, **{**kw, "clip_eps_low": 1.0})
 
 
+def test_unchecked_values_give_the_same_loss_and_keep_the_other_checks():
+    """``check_values=False`` (the learner's rows are validated at collation) skips only
+    the checks that read values: same loss and metrics, bad shapes and options still fail."""
+    logprobs, old, adv, mask, turn_ids = _example()
+    kw = dict(ratio_level="turn", clip_eps_low=0.2, clip_eps_high=0.2)
+    checked = compute_policy_loss(logprobs, old, adv, mask, turn_ids, **kw)
+    unchecked = compute_policy_loss(logprobs, old, adv, mask, turn_ids, **kw, check_values=False)
+    assert torch.equal(unchecked.loss, checked.loss)
+    assert unchecked.metrics.keys() == checked.metrics.keys()
+    for name, value in checked.metrics.items():
+        assert torch.equal(unchecked.metrics[name], value), name
+    bad = turn_ids.clone()
+    bad[0, 0] = -1
+    compute_policy_loss(logprobs, old, adv, mask, bad, **kw, check_values=False)  # not read
+    with pytest.raises(ValueError, match="advantages shape"):
+        compute_policy_loss(logprobs, old, adv[:, :4], mask, turn_ids, **kw, check_values=False)
+    with pytest.raises(ValueError, match="clip_eps_low"):
+        options = {**kw, "clip_eps_low": 1.0}
+        compute_policy_loss(logprobs, old, adv, mask, turn_ids, **options, check_values=False)
+
+
 def test_value_loss_hand_computed():
     values = torch.tensor([[1.0, 2.0, 7.0, 0.0]], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([[0.5, 2.0, 0.0, 0.5]], dtype=torch.float64)

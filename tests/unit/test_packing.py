@@ -95,7 +95,7 @@ def _token_stats(model, batch, packed: bool, varlen: bool = False):
     return masked_token_stats(
         model,
         batch,
-        batch.loss_mask,
+        batch.policy_token_positions(),
         lm_head_of(model),
         temperature=0.9,
         chunk_tokens=5,
