@@ -165,15 +165,16 @@ class TrainingBatch:
         copy carries :meth:`policy_token_positions`, computed where the batch was (on the
         host: no wait)."""
         changes: dict[str, Tensor | None] = {}
-        for name, value in self._tensor_fields():
+        for name, value in self._row_fields():
             if value is not None and name not in HOST_FIELDS:
                 value = to_device(value, device)
             changes[name] = value
         rows, columns = (to_device(t, device) for t in self.policy_token_positions())
         return TrainingBatch(**changes, policy_positions=(rows, columns))
 
-    def _tensor_fields(self) -> list[tuple[str, Tensor | None]]:
-        """``(name, value)`` of every field but ``policy_positions`` (derived, not per row)."""
+    def _row_fields(self) -> list[tuple[str, Tensor | None]]:
+        """``(name, value)`` of the per-row fields: every field but ``policy_positions``
+        (derived from ``loss_mask``, not indexed by row)."""
         return [
             (f.name, getattr(self, f.name))
             for f in dataclasses.fields(self)
@@ -199,7 +200,7 @@ class TrainingBatch:
         stop = old_prompt_width + new_response_width
         num_response_columns = self.response_ids.shape[1]
         changes: dict[str, Tensor | None] = {}
-        for name, value in self._tensor_fields():
+        for name, value in self._row_fields():
             if value is None:
                 changes[name] = None
                 continue

@@ -62,10 +62,11 @@ stay on the device until all their backwards are queued and are read in one tran
 (:class:`learner.step_metrics.DeferredReads`), the non-finite guard is decided on the device,
 and a micro-batch goes up without a blocking copy (:func:`learner.batch.to_device`; its
 packed layout is built from lengths kept on the host). So the host slices, packs and uploads
-micro-batch k + 1 while the GPU runs micro-batch k's backward; nor between a forward and its
-backward: the policy tokens' positions come from the host (:meth:`TrainingBatch.to`) and the
-loss skips its checks of values the collation guarantees. What still waits is transformers'
-mask check at the start of each forward (``tests/unit/test_host_syncs.py``). DeepSpeed's
+micro-batch k + 1 while the GPU runs micro-batch k's backward. Nor does it wait between a
+forward and its backward: the policy tokens' positions come from the host
+(:meth:`TrainingBatch.to`), and the loss skips its checks of values the collation
+guarantees. What still waits is transformers' mask check at the start of each forward
+(``tests/unit/test_host_syncs.py``). DeepSpeed's
 throughput timer, which synchronised the device at every engine forward, is off.
 
 Clipping-bias norm ||C|| is the norm over the whole mini-batch (spec section 6: one per
