@@ -144,7 +144,8 @@ def varlen_attention_forward(
         module: the attention module (transformers passes itself).
         query: [B, H, L, D]; key, value: [B, H_kv, L, D]. With ``cu_seq_lens_q`` the B rows
             are read as one sequence of B * L tokens (the varlen layout has B = 1).
-        attention_mask: the mask transformers built (None for the varlen layout).
+        attention_mask: the mask transformers built or was given (the varlen layout's is
+            empty, :class:`learner.packing.ModelInputs`, and not read).
         dropout: must be 0 with ``cu_seq_lens_q`` (training here uses none).
         scaling: the softmax scale.
         kwargs: ``cu_seq_lens_q`` (int32 [S + 1], cumulative segment lengths over the B * L
@@ -177,21 +178,14 @@ def varlen_attention_forward(
     return out.reshape(rows, width, heads, head_dim), None
 
 
-def _varlen_mask(*args: Any, attention_mask: Tensor | None = None, **kwargs: Any):
-    """The mask transformers builds for :data:`VARLEN`: none where the input has no padding
-    mask (the varlen layout, whose segments come as ``cu_seq_lens_q``: a dense block mask
-    of one row of T tokens would take T^2 bytes), else ``sdpa``'s."""
-    if attention_mask is None:
-        return None
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
-
-
 @cache
 def register() -> str:
     """Register :data:`VARLEN` with transformers' attention and mask interfaces (once);
     returns the name."""
     AttentionInterface.register(VARLEN, varlen_attention_forward)
-    AttentionMaskInterface.register(VARLEN, _varlen_mask)
+    # the masks of the forwards that fall back to sdpa; the varlen layout passes a prepared
+    # (empty) 4D mask, which transformers neither builds nor checks
+    AttentionMaskInterface.register(VARLEN, sdpa_mask)
     return VARLEN
 
 

@@ -64,8 +64,8 @@ class ValueModel(nn.Module):
 
         Args:
             input_ids, attention_mask, position_ids: a micro-batch's forward inputs, padded
-                or packed (:class:`learner.packing.ModelInputs`; int64 [R, W], the mask None
-                when packed).
+                or packed (:class:`learner.packing.ModelInputs`; int64 [R, W], the mask a
+                prepared 4D one when packed).
             state_index: int64 [B, T], ``ModelInputs.state_index``: the flat column of each
                 response token's state among the R * W outputs.
             attention_kwargs: passed to the backbone's attention (the varlen layout's

@@ -13,14 +13,15 @@ decreasing by length, into rows of width W = max(n_b), one after the other::
     row 2   [ seq 1 ....................... ][pad ......]
 
 with ``position_ids`` restarting at 0 at the start of each trajectory (and of each row's
-tail of padding) and no attention mask. transformers then builds the block-diagonal causal
-mask from the positions (``masking_utils.find_packed_sequence_indices``: a token attends
-only to earlier tokens of its own trajectory), for every attention implementation, on CUDA
-and CPU, but only in a forward without a KV cache: every packed forward passes
-``use_cache=False`` (with a cache, the positions are ignored and trajectories attend to
-each other; ``tests/unit/test_packing.py`` catches it). A token sees exactly what it sees in the padded layout (its own trajectory's
-earlier tokens, the same positions), so outputs agree to rounding (the test:
-``tests/unit/test_packing.py``, losses within 1e-5 in float32). Rows are never wider than the
+tail of padding) and the block-diagonal causal mask (:func:`block_causal_mask`: a token
+attends only to earlier tokens of its own trajectory) prepared as a 4D mask, which
+transformers passes to every layer's attention as it is. Given no mask, transformers would
+build the same one from the positions (``masking_utils.find_packed_sequence_indices``), but
+its check for packed rows reads a GPU tensor on the host at every forward; here the
+segments are known on the host, so the mask is built on the device without a wait. A token
+sees exactly what it sees in the padded layout (its own trajectory's earlier tokens, the
+same positions), so outputs agree to rounding (the test: ``tests/unit/test_packing.py``,
+losses within 1e-5 in float32). Rows are never wider than the
 longest trajectory, so the attention work (rows * W^2 with a dense mask) never exceeds the
 padded layout's (B * L^2), and the linear layers compute ``rows * W`` slots instead of
 ``B * L``.
@@ -53,8 +54,13 @@ class ModelInputs:
 
     Attributes:
         input_ids: int64 [R, W]: R rows of W columns (R = B padded; R <= B packed).
-        attention_mask: int64 [R, W] (padded) or None (packed: the positions mark where each
-            trajectory starts).
+        attention_mask: int64 [R, W] (padded), or a prepared 4D mask transformers passes to
+            the attention as it is (packed): bool [R, 1, W, W], the block-diagonal causal
+            mask of :func:`block_causal_mask`; varlen: bool [1, 1, 0, 0], empty, since the
+            varlen attention keeps the segments apart by ``cu_seq_lens`` (an attention that
+            did read it would fail on its shape). Prepared here from the host-known
+            layout, it spares transformers' search for packed sequences in the positions,
+            whose ``.all()`` made the host wait for the GPU at every forward's start.
         position_ids: int64 [R, W]: each token's position in its own trajectory.
         state_index: int64 [B, T]: ``flat[state_index[b, t]]`` is the output (hidden state,
             logits) of the column that predicts response token t of row b, where ``flat`` is
@@ -68,7 +74,7 @@ class ModelInputs:
     """
 
     input_ids: Tensor
-    attention_mask: Tensor | None
+    attention_mask: Tensor
     position_ids: Tensor
     state_index: Tensor
     cu_seq_lens: Tensor | None = None
@@ -76,8 +82,8 @@ class ModelInputs:
 
     @property
     def packed(self) -> bool:
-        """Whether this is the packed layout (the one without an attention mask)."""
-        return self.attention_mask is None
+        """Whether this is a packed layout (the mask is prepared, 4D)."""
+        return self.attention_mask.dim() == 4
 
     @property
     def slots(self) -> int:
@@ -176,8 +182,8 @@ def packed_inputs(batch: TrainingBatch, varlen: bool = False) -> ModelInputs:
             (the attention keeps them apart by ``cu_seq_lens``, not by a mask over rows).
 
     Returns:
-        :class:`ModelInputs` with ``attention_mask = None``, on the batch's device; with
-        ``varlen`` one row and ``cu_seq_lens`` set.
+        :class:`ModelInputs` with a prepared 4D ``attention_mask``, on the batch's
+        device; with ``varlen`` one row, ``cu_seq_lens`` set and an empty mask.
 
     Raises:
         ValueError: a row without prompt tokens (no column predicts its first response token).
@@ -221,16 +227,38 @@ def packed_inputs(batch: TrainingBatch, varlen: bool = False) -> ModelInputs:
         starts = [*(flat == 0).nonzero().flatten().tolist(), flat.numel()]
         max_length = max(b - a for a, b in itertools.pairwise(starts))
         cu_seq_lens = to_device(torch.tensor(starts, dtype=torch.int32), device)
+        attention_mask = torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
+    else:  # a segment starts where positions restart (the rows' tails are segments too)
+        segment_ids = (position_ids == 0).cumsum(dim=1)
+        attention_mask = block_causal_mask(to_device(segment_ids, device))
     source = to_device(source, device)
     input_ids = batch.input_ids.flatten()[source.clamp(min=0)].masked_fill(source < 0, 0)
     return ModelInputs(
         input_ids,
-        None,
+        attention_mask,
         to_device(position_ids, device),
         to_device(state_index, device),
         cu_seq_lens,
         max_length,
     )
+
+
+def block_causal_mask(segment_ids: Tensor) -> Tensor:
+    """The attention mask of packed rows: each token attends to itself and the earlier
+    tokens of its own segment.
+
+    Args:
+        segment_ids: int [R, W], each token's segment, equal within a segment; segments are
+            contiguous (a segment id may recur in another row).
+
+    Returns:
+        bool [R, 1, W, W]: ``mask[r, 0, q, k]`` is True iff ``k <= q`` and tokens q and k
+        of row r share a segment (what transformers builds from packed ``position_ids``,
+        ``masking_utils.find_packed_sequence_indices`` and ``causal_mask_function``).
+    """
+    width = segment_ids.shape[1]
+    causal = torch.ones((width, width), dtype=torch.bool, device=segment_ids.device).tril()
+    return ((segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)) & causal).unsqueeze(1)
 
 
 def model_inputs(batch: TrainingBatch, packed: bool, varlen: bool = False) -> ModelInputs:

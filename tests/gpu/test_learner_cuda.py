@@ -126,13 +126,15 @@ def _cuda_syncs(learner: Learner, trajectories: list) -> Counter:
 
 
 @pytest.mark.parametrize("layout", ["packed", "varlen"])
-def test_packed_micro_batches_add_few_host_syncs_on_cuda(
+def test_packed_micro_batches_add_no_host_sync_on_cuda(
     tiny_llama_dir: Path, layout, record_property
 ):
     """The CUDA side of ``tests/unit/test_host_syncs.py``: eight micro-batches per step
     against two (the same optimizer steps), bf16, ZeRO-2, st_ppo (policy and critic). The
-    six more micro-batches add no sync in this project's code; transformers' own mask
-    checks come on top. The counts per step and per site go into the junit report."""
+    six more micro-batches add no sync anywhere (this project's code, transformers' and
+    DeepSpeed's: the packed layouts' masks come prepared, and varlen runs the kernel, which
+    takes the segments on the device). The counts per step and per site go into the junit
+    report."""
     syncs = {}
     for micro in (1, 4):
         learner = Learner(
@@ -152,11 +154,7 @@ def test_packed_micro_batches_add_few_host_syncs_on_cuda(
         syncs[micro] = _cuda_syncs(learner, make_uneven_batch(1, 8))
         record_property(f"syncs_per_step_micro{micro}", sum(syncs[micro].values()))
         record_property(f"sync_sites_micro{micro}", dict(syncs[micro].most_common()))
-    added = {
-        site.rsplit(":", 1)[0]
-        for site in syncs[1]
-        if site.startswith("learner/") and syncs[1][site] > syncs[4][site]
-    }
+    added = {site for site in syncs[1] if syncs[1][site] > syncs[4][site]}
     assert not added, syncs
 
 

@@ -77,10 +77,27 @@ def _our_syncs(sim: SimulatedDevice) -> Counter[tuple[str, str]]:
     return out
 
 
+def _all_syncs(sim: SimulatedDevice) -> Counter[tuple[str, str]]:
+    """(file, kind) -> count of every sync, placed at its innermost frame (this project's
+    file, transformers' or DeepSpeed's)."""
+    out: Counter[tuple[str, str]] = Counter()
+    for site, count in sim.syncs.items():
+        where = site.split(" ", 1)[0]  # "file:line [<- file:line ...] kind"
+        kind = site.rsplit(" <- ", 1)[-1].split(" ", 1)[1]
+        out[(where.rsplit(":", 1)[0], kind)] += count
+    return out
+
+
 def _step_syncs(
-    tiny_llama_dir, algorithm, micro: int, sft: bool = False, **overrides
+    tiny_llama_dir,
+    algorithm,
+    micro: int,
+    sft: bool = False,
+    everywhere: bool = False,
+    **overrides,
 ) -> Counter[tuple[str, str]]:
-    """This project's syncs in one RL step (``sft``: one SFT step) after a warm-up step."""
+    """This project's syncs (``everywhere``: all of them) in one RL step (``sft``: one SFT
+    step) after a warm-up step."""
     learner = make_tiny_learner(
         tiny_llama_dir,
         algorithm,
@@ -93,7 +110,7 @@ def _step_syncs(
     step(make_uneven_batch(0, 8))
     with SimulatedDevice(learner.engines) as sim:
         step(make_uneven_batch(1, 8))
-    return _our_syncs(sim)
+    return _all_syncs(sim) if everywhere else _our_syncs(sim)
 
 
 @pytest.mark.parametrize(
@@ -116,6 +133,24 @@ def test_micro_batches_add_no_host_sync_in_our_code(tiny_llama_dir, algorithm, o
     added = {site: many[site] - few[site] for site in many if many[site] > few[site]}
     assert not added, added
     assert not [site for site in many if site[1].startswith("blocking upload")], many
+
+
+@pytest.mark.parametrize("algorithm", [STPPOConfig(), SOGRPOConfig()], ids=["st_ppo", "so_grpo"])
+@pytest.mark.parametrize("packed_attention", ["mask", "varlen"])
+def test_packed_micro_batches_add_no_host_sync_at_all(tiny_llama_dir, algorithm, packed_attention):
+    """In the packed layouts the attention mask comes prepared from the host-known layout
+    (``learner.packing.ModelInputs``), so transformers does not read the positions at each
+    forward's start to look for packed rows: eight micro-batches against two add no sync
+    anywhere, transformers' and DeepSpeed's included. Varlen on the CPU runs the kernel's
+    twin, whose loop over the segments reads their bounds (``segment_attention``; the CUDA
+    kernel takes them on the device): that read is the one it may add."""
+    overrides = {"pack_sequences": True, "packed_attention": packed_attention}
+    many = _step_syncs(tiny_llama_dir, algorithm, 1, everywhere=True, **overrides)
+    few = _step_syncs(tiny_llama_dir, algorithm, 4, everywhere=True, **overrides)
+    added = {site: many[site] - few[site] for site in many if many[site] > few[site]}
+    if packed_attention == "varlen":
+        assert added.pop(("learner/attention.py", "tolist"), 0) > 0  # the CPU twin's reads
+    assert not added, added
 
 
 def test_sft_micro_batches_add_no_host_sync(tiny_llama_dir):

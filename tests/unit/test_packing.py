@@ -20,7 +20,7 @@ from learner.batch import collate_trajectories, token_budget_micro_batches
 from learner.config import GRPOConfig, LearnerConfig, PPOConfig
 from learner.logprobs import lm_head_of, masked_token_stats
 from learner.modeling import ValueModel
-from learner.packing import pack_rows, packed_inputs, padded_inputs
+from learner.packing import block_causal_mask, pack_rows, packed_inputs, padded_inputs
 
 
 def test_pack_rows_docstring_example():
@@ -63,8 +63,12 @@ def test_packed_inputs_hand_checked():
     batch = collate_trajectories(trajs, pad_token_id=0)
     packed = packed_inputs(batch)
     # width 6: row 0 = seq 0; row 1 = seq 1 then seq 2
-    assert packed.attention_mask is None and packed.packed
+    assert packed.packed and not padded_inputs(batch).packed
     assert packed.input_ids.tolist() == [[5, 6, 8, 9, 10, 11], [7, 12, 13, 3, 4, 14]]
+    # row 0 causal; row 1 two causal blocks of 3
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    block = torch.block_diag(causal[:3, :3], causal[:3, :3])
+    assert torch.equal(packed.attention_mask, torch.stack([causal, block]).unsqueeze(1))
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]]
     # the column predicting response token t: row * 6 + start + prompt - 1 + t; past a
     # row's response, its last response token's
@@ -78,6 +82,40 @@ def test_packed_rows_tail_is_a_sequence_of_its_own():
     trajs = [make_trajectory([5, 6], [8, 9, 10], [1, 1, 1]), make_trajectory([7], [12], [1])]
     packed = packed_inputs(collate_trajectories(trajs, pad_token_id=0))
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+    tail = packed.attention_mask[1, 0]
+    assert not tail[2:, :2].any() and torch.equal(tail[2:, 2:], torch.ones(3, 3).tril().bool())
+
+
+def test_block_causal_mask_equals_transformers_own(tiny_llama_dir):
+    """The prepared mask of the packed layout is the one transformers builds from the
+    packed positions when given none (``create_causal_mask``), and given it, transformers
+    passes it through unchanged."""
+    from transformers import AutoConfig
+    from transformers.masking_utils import create_causal_mask
+
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    config._attn_implementation = "sdpa"
+    packed = packed_inputs(collate_trajectories(make_uneven_batch(0, 8), pad_token_id=0))
+    rows, width = packed.input_ids.shape
+    embeds = torch.zeros(rows, width, config.hidden_size)
+
+    def built(attention_mask):
+        return create_causal_mask(
+            config=config,
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=packed.position_ids,
+        )
+
+    own = built(None)
+    assert own.shape == (rows, 1, width, width) and own.dtype == torch.bool
+    assert torch.equal(packed.attention_mask, own)
+    assert built(packed.attention_mask) is packed.attention_mask
+    assert torch.equal(
+        block_causal_mask(torch.tensor([[0, 0, 1, 1]]))[0, 0].int(),
+        torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]),
+    )
 
 
 def test_token_budget_counts_real_tokens_when_packed():
@@ -142,28 +180,30 @@ def test_packed_forward_equals_padded(tiny_llama_dir):
 
 
 def test_packing_breaks_without_the_block_mask(tiny_llama_dir):
-    """The packed rows only equal the padded batch because each trajectory's positions
-    restart at 0 (the block-diagonal mask comes from them) and the forward has no KV cache:
-    counting positions across a row, or a cache (transformers then skips the packed mask),
-    lets trajectories attend to each other, which this test sees."""
+    """The packed rows only equal the padded batch because of the block-diagonal mask: a
+    plain causal mask over each row, or no mask with positions counting across a row, lets
+    trajectories attend to each other, which this test sees. Given no mask, transformers
+    builds the same one from the restarting positions; the prepared one also holds with a
+    KV cache (where transformers would not look for packed rows)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     batch = collate_trajectories(make_uneven_batch(), pad_token_id=0)
     packed = packed_inputs(batch)
     rows, width = packed.input_ids.shape
+    causal = torch.ones(width, width, dtype=torch.bool).tril().expand(rows, 1, width, width)
     with torch.no_grad():
         good = model(**packed.forward_kwargs(), use_cache=False).logits
-        joined = model(
-            input_ids=packed.input_ids,
-            position_ids=torch.arange(width).expand(rows, width),
-            use_cache=False,
-        ).logits
         cached = model(**packed.forward_kwargs(), use_cache=True).logits
+        kwargs = {"input_ids": packed.input_ids, "use_cache": False}
+        built = model(**kwargs, position_ids=packed.position_ids).logits
+        plain = model(**kwargs, position_ids=packed.position_ids, attention_mask=causal).logits
+        joined = model(**kwargs, position_ids=torch.arange(width).expand(rows, width)).logits
     shared = [r for r in range(rows) if (packed.position_ids[r] == 0).sum() > 1]
     assert shared, "the batch must put two trajectories in one row"
+    assert torch.equal(good, built) and torch.equal(good, cached)
+    assert (good - plain).abs().max() > 1e-2
     assert (good - joined).abs().max() > 1e-2
-    assert (good - cached).abs().max() > 1e-2
 
 
 def test_varlen_layout_is_one_row_of_segments():
@@ -249,9 +289,15 @@ def test_varlen_forward_equals_padded(tiny_llama_dir):
     with torch.no_grad():
         kwargs = inputs.forward_kwargs()
         good = model(**kwargs, use_cache=False).logits
+        total = inputs.input_ids.shape[1]  # one segment of every token
+        kwargs.update(cu_seq_lens_q=torch.tensor([0, total], dtype=torch.int32))
+        kwargs.update(cu_seq_lens_k=kwargs["cu_seq_lens_q"], max_length_q=total)
+        joined = model(**kwargs, use_cache=False).logits
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             del kwargs[key]
-        joined = model(**kwargs, use_cache=False).logits
+        # without its segments the layout's empty mask reaches sdpa, which rejects it
+        with pytest.raises(RuntimeError, match="size of tensor"):
+            model(**kwargs, use_cache=False)
     assert (good - joined).abs().max() > 1e-2
 
     critic = ValueModel(model.model, model.config.hidden_size)
