@@ -83,12 +83,13 @@ with its host syncs counted (:func:`learner.host_syncs.count_syncs`: on CUDA the
 synchronising calls PyTorch reports, on the CPU those its simulation of a device finds),
 as ``host_syncs_per_step`` and the sites (``host_sync_sites``) in each row.
 
-``--profile``: after the measured rounds, one more step of the first variant on the last
-path under ``torch.profiler``; its self time (CPU; on a GPU the CUDA kernels' time, each
-kernel counted once, under the operator that launched it) is grouped by operator into
+``--profile``: after the measured rounds, one more step of each variant (and SFT) on the
+last path under ``torch.profiler``; its self time (CPU; on a GPU the CUDA kernels' time,
+each kernel counted once, under the operator that launched it) is grouped by operator into
 matmul, attention, softmax / log-sum-exp, dtype copies, elementwise, optimizer and the
 rest (:func:`op_category`, :func:`summarize_profile`), printed with the step's wall
-seconds (the GPU's idle time is the difference) and written under ``"profile"``.
+seconds (the GPU's idle time is the difference) and written under ``"profile"`` (a list,
+one per step).
 
 Run (shared machine: take the heavy lock)::
 
@@ -587,7 +588,7 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="profile one more step of the first variant on the last path (see the docstring)",
+        help="profile one more step of each variant on the last path (see the docstring)",
     )
     parser.add_argument(
         "--random-init",
@@ -752,10 +753,12 @@ def main() -> None:
                     f"  host syncs {name} [{path}]: {counted.total()} per step ({top})",
                     flush=True,
                 )
-    profile = None
-    if args.profile:
-        name, path = names[0], paths[-1]
-        profile = {"step": name, "path": path, **profile_step(lambda: run(name, path), on_gpu)}
+    profiles = []
+    path = paths[-1]
+    for name in names if args.profile else []:
+        summary = profile_step(lambda name=name: run(name, path), on_gpu)
+        profile = {"step": name, "path": path, **summary}
+        profiles.append(profile)
         print(
             f"profile of {name} [{path}] ({profile['clock']} time {profile['time_s']:.2f} s "
             f"of {profile['wall_s']:.2f} s wall): "
@@ -840,7 +843,7 @@ def main() -> None:
         "varlen_kernel": varlen_on_kernel,
         "auto_micro_batch_tokens": learner.auto_micro_batch_tokens,
         "rows": rows,
-        "profile": profile,
+        "profile": profiles or None,
     }
     print(
         f"init {init_s:.1f} s; {len(trajectories)} trajectories ({args.lengths}), {num_tokens} "

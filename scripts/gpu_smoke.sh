@@ -183,7 +183,7 @@ if [[ "$MODE" == scale ]]; then
   # compiled: packed rows with inductor-compiled decoder layers; varlen: one row per
   # micro-batch and torch's FlashAttention varlen kernel (each path warmed up once before
   # the rounds); @8192 a budget under the chunked path's memory;
-  # --profile: one more st_ppo step of the last path, its CUDA kernel time by category
+  # --profile: one more step of each variant on the last path, its CUDA kernel time by category
   run scale_1.7b "$PY" benchmarks/learner_step.py --shape 1.7b --model "$MODEL" \
     --dtype bf16 --zero-stage 2 --repeats 2 --batch 64 --mini 16 --micro 4 \
     --micro-tokens -1 --variants st_ppo,so_grpo \
