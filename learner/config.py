@@ -515,7 +515,7 @@ class LearnerConfig(StrictModel):
     """Run every forward of the policy, critic and reference on the micro-batch's
     trajectories packed without padding (:mod:`learner.packing`): whole trajectories placed
     first-fit into rows as wide as the longest, positions restarting at each trajectory,
-    the block-diagonal causal mask built by transformers from the positions. Same values
+    the block-diagonal causal mask built on the device from the layout. Same values
     to rounding (losses within 1e-5 in float32), fewer token slots computed. Applies where
     the LM head is chunked (``logprob_chunk_tokens > 0`` and a plain head); the
     full-vocabulary path and ``bias_norm = "param"``'s extra forward stay padded."""
@@ -523,8 +523,7 @@ class LearnerConfig(StrictModel):
     packed_attention: Literal["mask", "varlen"] = "mask"
     """How a packed forward keeps its trajectories apart (``pack_sequences`` only). ``mask``:
     rows as wide as the longest trajectory and transformers' ``sdpa`` attention with the
-    dense block-diagonal causal mask it builds from the positions (every row computes
-    W x W scores). ``varlen``: every trajectory of the micro-batch in one row, no row tails,
+    dense block-diagonal causal mask (every row computes W x W scores). ``varlen``: every trajectory of the micro-batch in one row, no row tails,
     and variable-length attention over their cumulative lengths (:mod:`learner.attention`:
     torch's FlashAttention varlen kernel on CUDA, one ``scaled_dot_product_attention`` per
     trajectory elsewhere), each trajectory's causal scores alone. Same values to rounding
