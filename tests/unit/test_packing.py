@@ -259,9 +259,10 @@ def test_varlen_kernel_only_on_cuda_in_16_bits():
 def test_varlen_forward_equals_padded(tiny_llama_dir):
     """A model switched to the varlen attention: the varlen layout's log-probs, entropy,
     their gradients and the critic's values equal the padded forward's in float32; a
-    padded forward of the switched model is unchanged (transformers' sdpa with the mask);
-    the one row without its segments lets trajectories attend to each other (what the
-    segments prevent)."""
+    padded forward of the switched model is unchanged (transformers' sdpa with the mask),
+    and so is a packed one given no mask (sdpa with the mask built from the positions);
+    the one row as a single segment lets trajectories attend to each other (what the
+    segments prevent), and without segments its empty mask fails loudly."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -298,6 +299,12 @@ def test_varlen_forward_equals_padded(tiny_llama_dir):
         # without its segments the layout's empty mask reaches sdpa, which rejects it
         with pytest.raises(RuntimeError, match="size of tensor"):
             model(**kwargs, use_cache=False)
+        # the switched model given packed rows without a mask: sdpa with the mask
+        # transformers builds from the positions, the prepared mask's values
+        rows = packed_inputs(batch)
+        prepared = model(**rows.forward_kwargs(), use_cache=False).logits
+        plain = {"input_ids": rows.input_ids, "position_ids": rows.position_ids}
+        torch.testing.assert_close(model(**plain, use_cache=False).logits, prepared)
     assert (good - joined).abs().max() > 1e-2
 
     critic = ValueModel(model.model, model.config.hidden_size)
