@@ -66,25 +66,16 @@ def test_simulated_device_flags_reads_of_device_tensors_and_blocking_uploads():
     assert kinds == Counter({"item": 1, "(to)": 1, "__bool__": 1})
 
 
-def _our_syncs(sim: SimulatedDevice) -> Counter[tuple[str, str]]:
-    """(file, kind) -> count of the syncs whose innermost frame is this project's code (not
-    transformers' or DeepSpeed's, which it calls)."""
+def _syncs_by_file(sim: SimulatedDevice, everywhere: bool) -> Counter[tuple[str, str]]:
+    """(file, kind) -> count of the syncs, placed at their innermost frame: this project's
+    code only (not transformers' or DeepSpeed's, which it calls), or ``everywhere``. A site
+    reads ``file:line [<- file:line] kind``, the library's frame first."""
     out: Counter[tuple[str, str]] = Counter()
     for site, count in sim.syncs.items():
-        where, kind = site.split(" ", 1)
-        if " <- " not in site:
+        if everywhere or " <- " not in site:
+            where = site.split(" ", 1)[0]
+            kind = site.rsplit(" <- ", 1)[-1].split(" ", 1)[1]
             out[(where.rsplit(":", 1)[0], kind)] += count
-    return out
-
-
-def _all_syncs(sim: SimulatedDevice) -> Counter[tuple[str, str]]:
-    """(file, kind) -> count of every sync, placed at its innermost frame (this project's
-    file, transformers' or DeepSpeed's)."""
-    out: Counter[tuple[str, str]] = Counter()
-    for site, count in sim.syncs.items():
-        where = site.split(" ", 1)[0]  # "file:line [<- file:line ...] kind"
-        kind = site.rsplit(" <- ", 1)[-1].split(" ", 1)[1]
-        out[(where.rsplit(":", 1)[0], kind)] += count
     return out
 
 
@@ -110,7 +101,7 @@ def _step_syncs(
     step(make_uneven_batch(0, 8))
     with SimulatedDevice(learner.engines) as sim:
         step(make_uneven_batch(1, 8))
-    return _all_syncs(sim) if everywhere else _our_syncs(sim)
+    return _syncs_by_file(sim, everywhere)
 
 
 @pytest.mark.parametrize(
