@@ -27,12 +27,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from actors.trajectory import Trajectory
+
+if TYPE_CHECKING:  # learner.packing imports this module
+    from learner.packing import ModelInputs
 
 _SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
 """[B, L] fields (prompt + response columns)."""
@@ -99,6 +103,11 @@ class TrainingBatch:
             pi_prox / pi_behaviour (:func:`learner.losses.behavior_importance_weights`).
         policy_positions: ``(rows, columns)`` of the policy tokens, int64 [N] each, or None;
             set by :meth:`to` (read them through :meth:`policy_token_positions`).
+        layouts: the forward inputs built from this batch, by layout
+            (:func:`learner.packing.model_inputs` fills it, so that the reference, critic
+            and policy forwards of one micro-batch share one layout); empty in a batch
+            made by :meth:`select` or :meth:`to`. The fields a layout is built from
+            (ids, masks, positions, lengths) are never reassigned.
     """
 
     input_ids: Tensor
@@ -125,6 +134,9 @@ class TrainingBatch:
     returns: Tensor | None = None
     behavior_weights: Tensor | None = None
     policy_positions: tuple[Tensor, Tensor] | None = dataclasses.field(default=None, repr=False)
+    layouts: dict[tuple[bool, bool], ModelInputs] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def batch_size(self) -> int:
@@ -173,12 +185,12 @@ class TrainingBatch:
         return TrainingBatch(**changes, policy_positions=(rows, columns))
 
     def _row_fields(self) -> list[tuple[str, Tensor | None]]:
-        """``(name, value)`` of the per-row fields: every field but ``policy_positions``
-        (derived from ``loss_mask``, not indexed by row)."""
+        """``(name, value)`` of the per-row fields: every field but the derived ones,
+        ``policy_positions`` and ``layouts`` (not indexed by row)."""
         return [
             (f.name, getattr(self, f.name))
             for f in dataclasses.fields(self)
-            if f.name != "policy_positions"
+            if f.name not in ("policy_positions", "layouts")
         ]
 
     def select(self, indices: Sequence[int] | Tensor) -> TrainingBatch:

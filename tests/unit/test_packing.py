@@ -374,3 +374,30 @@ def _check_step_equal(padded_result, packed_result):
         assert got == pytest.approx(want, abs=1e-5), key
     for name, want in padded_result[1].items():
         torch.testing.assert_close(packed_result[1][name], want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["packed", "varlen"])
+def test_each_micro_batch_builds_its_layout_once(layout, tiny_llama_dir, monkeypatch):
+    """The forwards of one micro-batch (reference and old values in the prepare pass;
+    policy and critic in training) share one packed layout: as many builds as
+    micro-batches, fewer than forwards (red when every forward builds its own)."""
+    import learner.packing as packing
+
+    built: list = []
+    build = packing.packed_inputs
+
+    def counted(batch, varlen=False):
+        built.append(batch)  # held, so that ids stay distinct
+        return build(batch, varlen)
+
+    monkeypatch.setattr(packing, "packed_inputs", counted)
+    learner = make_tiny_learner(
+        tiny_llama_dir, PPOConfig(), train_batch_size=6, mini_batch_size=6, micro_batch_size=3,
+        **LAYOUTS[layout],
+    )  # fmt: skip
+    forwards = []
+    for engine in (learner.policy_engine, learner.critic_engine, learner.reference_engine):
+        engine.module.register_forward_pre_hook(lambda *_: forwards.append(1))
+    learner.step(make_uneven_batch())
+    assert len({id(batch) for batch in built}) == len(built) == 4  # 2 prepare + 2 train
+    assert len(forwards) == 8  # reference, values; policy, critic: per micro-batch
