@@ -906,14 +906,13 @@ class Learner(CheckpointMixin, SupervisedMixin):
         bias = uses_bias_correction(algorithm)
         plan = self._micro_plan(mini, range(mini.batch_size))
         norm: Tensor | None = None
-        any_clipped = False
+        scale = 1.0
         if bias and (algorithm.bias_norm == "param" or algorithm.scale_target == "loss"):
             norm, any_clipped = self._mini_batch_clip_bias(
                 mini, plan, algorithm, denominator, kwargs, acc
             )
-        loss_scale = 1.0
-        if norm is not None and algorithm.scale_target == "loss":
-            loss_scale = self._bias_scale(norm, any_clipped, algorithm)
+            scale = self._bias_scale(norm, any_clipped, algorithm)
+        loss_scale = scale if norm is not None and algorithm.scale_target == "loss" else 1.0
         # the micro-batches' metrics stay on the device until all their backwards are
         # queued, then are read at once (DeferredReads: no host sync per micro-batch)
         queued: list[tuple[bool, Deferred, Deferred | None]] = []
@@ -942,6 +941,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
         acc.reads.flush()
         sums: dict[str, float] = defaultdict(float)
         policy_finite, critic_finite = True, True
+        micro_clipped = False
         for real, policy_read, critic_read in queued:
             metrics = dict(policy_read.get())
             policy_finite &= math.isfinite(metrics["loss"])
@@ -954,7 +954,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
                 continue
             sums["pg_loss"] += metrics.pop("pg_loss")
             sums["clip_bias_norm_sq"] += metrics.pop("clip_bias_norm_sq")
-            any_clipped |= metrics["clip_ratio"] > 0.0
+            micro_clipped |= metrics["clip_ratio"] > 0.0
             acc.token_log_ratio_abs_max = max(
                 acc.token_log_ratio_abs_max, metrics.pop("token_log_ratio_abs_max")
             )
@@ -962,11 +962,11 @@ class Learner(CheckpointMixin, SupervisedMixin):
         summed_norm_sq = sums.pop("clip_bias_norm_sq", 0.0)
         if norm is None:  # no pre-pass: the micro-batches' squared norms add up (all ranks)
             summed_norm_sq, clipped = all_reduce_floats(
-                [summed_norm_sq, float(any_clipped)], self.world_size, "sum"
+                [summed_norm_sq, float(micro_clipped)], self.world_size, "sum"
             )
-            any_clipped = clipped > 0.0
             norm = torch.tensor(math.sqrt(max(summed_norm_sq, 0.0)))
-        scale = self._bias_scale(norm, any_clipped, algorithm) if bias else 1.0
+            if bias:
+                scale = self._bias_scale(norm, clipped > 0.0, algorithm)
         sums["clip_bias_norm"] = _scalar(norm)
         sums["clip_bias_scale"] = scale
         for name in ("pg_loss", "value_loss", "clip_bias_norm", "clip_bias_scale"):
