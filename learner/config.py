@@ -523,8 +523,9 @@ class LearnerConfig(StrictModel):
     packed_attention: Literal["mask", "varlen"] = "mask"
     """How a packed forward keeps its trajectories apart (``pack_sequences`` only). ``mask``:
     rows as wide as the longest trajectory and transformers' ``sdpa`` attention with the
-    dense block-diagonal causal mask (every row computes W x W scores). ``varlen``: every trajectory of the micro-batch in one row, no row tails,
-    and variable-length attention over their cumulative lengths (:mod:`learner.attention`:
+    dense block-diagonal causal mask (every row computes W x W scores). ``varlen``: every
+    trajectory of the micro-batch in one row, no row tails, and variable-length attention
+    over their cumulative lengths (:mod:`learner.attention`:
     torch's FlashAttention varlen kernel on CUDA, one ``scaled_dot_product_attention`` per
     trajectory elsewhere), each trajectory's causal scores alone. Same values to rounding
     (losses within 1e-5 in float32)."""

@@ -65,8 +65,9 @@ packed layout is built from lengths kept on the host). So the host slices, packs
 micro-batch k + 1 while the GPU runs micro-batch k's backward. Nor does it wait between a
 forward and its backward: the policy tokens' positions come from the host
 (:meth:`TrainingBatch.to`), and the loss skips its checks of values the collation
-guarantees. What still waits is transformers' mask check at the start of each forward
-(``tests/unit/test_host_syncs.py``). DeepSpeed's
+guarantees. What still waits, in the padded layout only, is transformers' mask check at
+the start of each forward; the packed layouts pass their mask prepared
+(:mod:`learner.packing`) and add no sync (``tests/unit/test_host_syncs.py``). DeepSpeed's
 throughput timer, which synchronised the device at every engine forward, is off.
 
 Clipping-bias norm ||C|| is the norm over the whole mini-batch (spec section 6: one per
