@@ -16,6 +16,15 @@ So ``auto`` means: bf16 on CUDA; on a CPU, bf16 where ``/proc/cpuinfo`` lists
 ``avx512_bf16`` or ``amx_bf16``, fp32 otherwise. ``STPPO_CPU_BF16=1`` / ``=0`` forces the CPU
 branch either way (tests, or a CPU the flags misreport). ``benchmarks/cpu_dtype.py``
 re-measures the matmul on the machine at hand.
+
+Running as an AVX2-only CPU would, on a CPU with AVX-512 or AMX (``STPPO_CPU_ISA=avx2``):
+this module then reads no ``avx512*`` / ``amx*`` flag, and :func:`apply_cpu_isa_emulation`
+makes torch's own feature queries (``torch.cpu._is_avx512_supported`` and its siblings,
+which vLLM-CPU reads to pick its kernels and its weight prepacking) answer False. The
+libraries' own switches must be set before the process starts, since they are read when
+torch and oneDNN load: :data:`AVX2_EMULATION_ENV` lists them (torch's vectorised kernels,
+oneDNN's and MKL's instruction sets), and :func:`apply_cpu_isa_emulation` refuses to run
+without them. ``scripts/as_avx2.sh <command>`` sets all of them.
 """
 
 from __future__ import annotations
@@ -29,6 +38,23 @@ from typing import Literal
 DtypeName = Literal["bf16", "fp32"]
 FORCE_ENV = "STPPO_CPU_BF16"
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+ISA_ENV = "STPPO_CPU_ISA"
+"""``avx2``: behave as on an AVX2-only CPU (module docstring); unset: the real CPU."""
+AVX2_EMULATION_ENV = {
+    ISA_ENV: "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",  # torch's vectorised CPU kernels
+    "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN (torch's bf16 matmuls, vLLM-CPU's GEMMs)
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL (torch's fp32 matmuls)
+}
+"""The environment of a process that runs as an AVX2-only CPU would."""
+_EMULATED_PREFIXES = ("avx512", "amx")
+_TORCH_CPU_QUERIES = (
+    "_is_avx512_supported",
+    "_is_avx512_bf16_supported",
+    "_is_vnni_supported",
+    "_is_amx_tile_supported",
+    "_is_amx_fp16_supported",
+)
 
 
 @dataclass(frozen=True)
@@ -46,11 +72,31 @@ class DtypeChoice:
         return torch.bfloat16 if self.name == "bf16" else torch.float32
 
 
+def emulated_isa() -> str | None:
+    """``"avx2"`` where ``STPPO_CPU_ISA`` asks to run as an AVX2-only CPU, else None.
+
+    Raises:
+        ValueError: ``STPPO_CPU_ISA`` is set to something other than ``avx2``.
+    """
+    isa = os.environ.get(ISA_ENV)
+    if isa is None or isa == "":
+        return None
+    if isa != "avx2":
+        raise ValueError(f"{ISA_ENV} must be 'avx2' (or unset), got {isa!r}")
+    return isa
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, set[str]]:
     """The CPU model name and its feature flags, read from ``/proc/cpuinfo`` (Linux).
 
-    Returns ``(platform.processor() or "unknown", set())`` where the file is missing (macOS).
+    Under ``STPPO_CPU_ISA=avx2`` the ``avx512*`` and ``amx*`` flags are left out and the
+    model name says so. Returns ``(platform.processor() or "unknown", set())`` where the
+    file is missing (macOS).
+
+    Raises:
+        ValueError: a bad ``STPPO_CPU_ISA`` (:func:`emulated_isa`).
     """
+    isa = emulated_isa()
     try:
         text = cpuinfo.read_text()
     except OSError:
@@ -63,7 +109,47 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, set[str]]:
             model = value.strip()
         elif key in ("flags", "Features") and not flags:
             flags = set(value.split())
+    if isa is not None:
+        flags = {f for f in flags if not f.startswith(_EMULATED_PREFIXES)}
+        model = f"{model} (as AVX2-only: {ISA_ENV}={isa})"
     return model, flags
+
+
+def apply_cpu_isa_emulation() -> bool:
+    """Under ``STPPO_CPU_ISA=avx2``, make torch's CPU feature queries answer as an AVX2-only
+    CPU's would (``torch.cpu._is_avx512_supported``, ``_is_avx512_bf16_supported``,
+    ``_is_vnni_supported``, ``_is_amx_tile_supported``, ``_is_amx_fp16_supported``: False),
+    so that vLLM-CPU, which reads them, loads its AVX2 kernels and takes the AVX2 GEMM
+    path. Call it before importing vLLM. Idempotent; does nothing without the variable.
+
+    Returns:
+        Whether the emulation is on.
+
+    Raises:
+        RuntimeError: the variable is set but the libraries' own switches
+            (:data:`AVX2_EMULATION_ENV`) are not: they are read when the libraries load, so
+            the process must start with them (``scripts/as_avx2.sh``).
+        ValueError: a bad ``STPPO_CPU_ISA``.
+    """
+    if emulated_isa() is None:
+        return False
+    missing = {k: v for k, v in AVX2_EMULATION_ENV.items() if os.environ.get(k) != v}
+    if missing:
+        raise RuntimeError(
+            f"{ISA_ENV}=avx2 needs the process started with "
+            + " ".join(f"{k}={v}" for k, v in missing.items())
+            + " as well (scripts/as_avx2.sh sets them all)"
+        )
+    import torch.cpu
+
+    for name in _TORCH_CPU_QUERIES:
+        if hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, _unsupported)
+    return True
+
+
+def _unsupported() -> bool:
+    return False
 
 
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[bool, str]:

@@ -19,9 +19,22 @@ from pathlib import Path
 
 import pytest
 
+from actors.hardware import apply_cpu_isa_emulation, cpu_has_native_bf16
 from services.env import PROJECT_ROOT, configure_local_caches
 
 configure_local_caches()
+# STPPO_CPU_ISA=avx2 (scripts/as_avx2.sh): torch's feature queries answer as an AVX2-only
+# CPU's before any test imports vLLM, whose kernel choice reads them
+apply_cpu_isa_emulation()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """The CPU the suite runs as: dtype expectations and kernels follow it."""
+    import torch
+
+    _, why = cpu_has_native_bf16()
+    return f"cpu: {why}; torch kernels {torch.backends.cpu.get_cpu_capability()}"
+
 
 DATA_DIR = Path(os.environ.get("STPPO_DATA_DIR", PROJECT_ROOT / "data"))
 MODEL_DIR = DATA_DIR / "model" / "smollm2-135m-instruct"

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from actors.hardware import FORCE_ENV, cpu_flags, cpu_has_native_bf16, resolve_dtype
+from actors.hardware import (
+    AVX2_EMULATION_ENV,
+    FORCE_ENV,
+    ISA_ENV,
+    apply_cpu_isa_emulation,
+    cpu_flags,
+    cpu_has_native_bf16,
+    resolve_dtype,
+)
 from learner.trainer import deepspeed_config
 
 # /proc/cpuinfo excerpts of the CPUs this project runs on
@@ -41,6 +51,7 @@ def write(tmp_path: Path, text: str) -> Path:
 )
 def test_detection_reads_the_cpu_flags(tmp_path, monkeypatch, cpuinfo, native, flag):
     monkeypatch.delenv(FORCE_ENV, raising=False)
+    monkeypatch.delenv(ISA_ENV, raising=False)
     got, why = cpu_has_native_bf16(write(tmp_path, cpuinfo))
     assert got is native
     assert cpu_flags(write(tmp_path, cpuinfo))[0] in why
@@ -50,6 +61,7 @@ def test_detection_reads_the_cpu_flags(tmp_path, monkeypatch, cpuinfo, native, f
 
 def test_missing_cpuinfo_means_no_native_bf16(tmp_path, monkeypatch):
     monkeypatch.delenv(FORCE_ENV, raising=False)
+    monkeypatch.delenv(ISA_ENV, raising=False)
     assert cpu_has_native_bf16(tmp_path / "absent")[0] is False
 
 
@@ -78,3 +90,53 @@ def test_bad_values_fail_clearly(monkeypatch):
     monkeypatch.setenv(FORCE_ENV, "yes")
     with pytest.raises(ValueError, match=FORCE_ENV):
         resolve_dtype("auto", "cpu")
+
+
+# ----------------------------------------------- running as an AVX2-only CPU (STPPO_CPU_ISA)
+
+
+@pytest.mark.parametrize("cpuinfo", [AVX512_BF16_EPYC, AMX_XEON])
+def test_avx2_emulation_hides_the_avx512_and_amx_flags(tmp_path, monkeypatch, cpuinfo):
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    model, flags = cpu_flags(write(tmp_path, cpuinfo))
+    assert "avx2" in flags and not any(f.startswith(("avx512", "amx")) for f in flags)
+    native, why = cpu_has_native_bf16(write(tmp_path, cpuinfo))
+    assert native is False and f"{ISA_ENV}=avx2" in why and model in why
+    monkeypatch.setenv(ISA_ENV, "avx512")
+    with pytest.raises(ValueError, match=ISA_ENV):
+        cpu_flags(write(tmp_path, cpuinfo))
+
+
+def test_avx2_emulation_needs_the_libraries_switches_and_then_patches_torch(monkeypatch):
+    import torch.cpu
+
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    assert apply_cpu_isa_emulation() is False  # off without the variable
+    for name in [n for n in dir(torch.cpu) if n.startswith("_is_")]:
+        monkeypatch.setattr(torch.cpu, name, getattr(torch.cpu, name))  # restored after
+    for key in AVX2_EMULATION_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    with pytest.raises(RuntimeError, match="ATEN_CPU_CAPABILITY=avx2") as err:
+        apply_cpu_isa_emulation()  # torch read its own switches at start-up: too late now
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in str(err.value) and "scripts/as_avx2.sh" in str(err.value)
+    for key, value in AVX2_EMULATION_ENV.items():
+        monkeypatch.setenv(key, value)
+    assert apply_cpu_isa_emulation() is True
+    assert not torch.cpu._is_avx512_supported() and not torch.cpu._is_avx512_bf16_supported()
+    assert not torch.cpu._is_amx_tile_supported() and not torch.cpu._is_vnni_supported()
+
+
+def test_as_avx2_script_sets_the_emulation_environment():
+    from services.env import PROJECT_ROOT
+
+    out = subprocess.run(
+        [str(PROJECT_ROOT / "scripts" / "as_avx2.sh"), "env"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": os.environ["PATH"]},
+    ).stdout
+    env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert {k: env.get(k) for k in AVX2_EMULATION_ENV} == AVX2_EMULATION_ENV
