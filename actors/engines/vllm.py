@@ -56,6 +56,7 @@ from actors.engines.protocol import (
     check_prompts,
     check_version,
 )
+from actors.hardware import apply_cpu_isa_emulation
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +87,8 @@ class VLLMEngine:
             ``pip install -e '.[gpu]'``).
     """
 
+    _closed = False  # set by close()
+
     def __init__(
         self,
         model_path: str | Path,
@@ -102,6 +105,7 @@ class VLLMEngine:
             # the Prometheus series are what we want; a log line every 10 s per actor is not
             os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", str(365 * 24 * 3600))
         quiet_vllm_cpu_startup()
+        apply_cpu_isa_emulation()  # STPPO_CPU_ISA=avx2: vLLM-CPU picks its AVX2 kernels
         try:
             from vllm import LLM
         except ImportError as e:
@@ -126,6 +130,25 @@ class VLLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # same object type as HFEngine's
         self._policy_version = 0
         self._param_shapes = self._read_param_shapes()
+
+    def close(self) -> None:
+        """Shut the engine core down now: its model, KV cache and vLLM's process-wide state
+        (the model-parallel groups, which are module globals of ``vllm.distributed``).
+
+        vLLM does the same when the engine is garbage-collected, at a moment nobody chooses:
+        an engine collected after a newer one has started in the same process tears down
+        the newer one's groups (its next step fails with "pipeline model parallel group is
+        not initialized"). Closing makes the moment explicit. Idempotent; afterwards
+        :meth:`generate` and :meth:`load_weights` raise RuntimeError.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.llm.llm_engine.engine_core.shutdown()  # in-process client: detaches vLLM's finalizer
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this VLLMEngine is closed")
 
     @property
     def policy_version(self) -> int:
@@ -166,9 +189,11 @@ class VLLMEngine:
 
         Raises:
             ValueError: empty batch or empty prompt.
+            RuntimeError: the engine is closed.
         """
         from vllm import TokensPrompt
 
+        self._check_open()
         check_prompts(prompts)
         if interrupt is not None:
             return self._generate_interruptible(prompts, params, interrupt)
@@ -295,7 +320,9 @@ class VLLMEngine:
         Raises:
             KeyError: some model parameters were not covered by ``state_dict``.
             ValueError: a decreasing ``policy_version`` (or a shape mismatch from vLLM).
+            RuntimeError: the engine is closed.
         """
+        self._check_open()
         check_version(self._policy_version, policy_version)
         weights = [(name, tensor.detach().cpu()) for name, tensor in state_dict.items()]
         loaded = self.llm.collective_rpc(_reload_in_place, args=(weights,))[0]
