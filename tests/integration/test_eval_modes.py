@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from actors.config import RolloutConfig
 from actors.engines.scripted import ScriptedEngine
+from actors.hardware import FORCE_ENV
 from actors.rollout import RolloutWorker
 from services.env import PROJECT_ROOT
 from services.evaluate import evaluate_records, score_set
@@ -134,14 +135,19 @@ def test_cli_eval_all_modes_on_tiny_llama(
     assert all(r["turns"][0]["passages"] == [] for r in records if r["mode"] == "closed_book")
 
 
-def test_rollout_dtype_selects_the_engine_dtype(tiny_llama_dir: Path):
+@pytest.mark.parametrize(("native_bf16", "auto_dtype"), [("1", "bfloat16"), ("0", "float32")])
+def test_rollout_dtype_selects_the_engine_dtype(
+    tiny_llama_dir: Path, monkeypatch, native_bf16, auto_dtype
+):
+    """An explicit dtype is what the engine gets; ``auto`` (the default) follows the CPU:
+    bf16 with native bf16 matmuls, fp32 where bf16 would be emulated. The detection is
+    forced both ways (``STPPO_CPU_BF16``), so both branches run on every CPU."""
     import torch
 
     from actors.rollout import build_engine
 
-    # fp32 on CPUs without native bf16 matmuls (see RolloutConfig.dtype); bf16 stays the default
-    assert (
-        build_engine(str(tiny_llama_dir), RolloutConfig(dtype="fp32"), 0).model.dtype
-        == torch.float32
-    )
-    assert build_engine(str(tiny_llama_dir), RolloutConfig(), 0).model.dtype == torch.bfloat16
+    monkeypatch.setenv(FORCE_ENV, native_bf16)
+    for dtype, want in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        assert build_engine(str(tiny_llama_dir), RolloutConfig(dtype=dtype), 0).model.dtype == want
+    auto = build_engine(str(tiny_llama_dir), RolloutConfig(), 0)
+    assert auto.model.dtype == getattr(torch, auto_dtype)

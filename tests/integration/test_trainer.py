@@ -33,6 +33,11 @@ def critic_state(learner: Learner) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def learner_dtype(learner: Learner) -> torch.dtype:
+    """The dtype the learner's weights are in (``dtype = "auto"``: bf16 or fp32 by the CPU)."""
+    return learner.dtype_choice.torch_dtype
+
+
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -83,8 +88,11 @@ def test_two_steps_update_weights_and_export_loads_into_hf(learner: Learner, tin
 
     export = learner.export_weights()
     assert export.policy_version == learner.policy_version
-    fresh = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    # the dtype the learner trains in ("auto": bf16 or fp32, by the CPU), so the export loads
+    # without a cast and the logits compare bit for bit
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=learner_dtype(learner))
     fresh.load_state_dict(export.state_dict, strict=True)
+    assert {t.dtype for t in export.state_dict.values()} == {learner_dtype(learner)}
     ids = torch.tensor([[1, 50, 60, 70, 80, 90]])
     with torch.no_grad():
         expected = learner.policy_engine.module(input_ids=ids).logits
@@ -189,7 +197,9 @@ def test_checkpoint_round_trip_restores_weights_optimizer_step_and_version(
     for name, tensor in policy_state(learner).items():
         torch.testing.assert_close(tensor, continued[name], rtol=0, atol=0)
 
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf_policy", dtype=torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ckpt" / "hf_policy", dtype=learner_dtype(learner)
+    )
     for name, tensor in hf.state_dict().items():
         assert torch.equal(tensor, saved_policy[name]), name
 
