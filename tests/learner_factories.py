@@ -111,6 +111,26 @@ def make_tiny_learner(path, algorithm, **overrides):
     return Learner(path, LearnerConfig(**{**base, **overrides}), algorithm, seed=0)
 
 
+def capture_gradients(learner) -> dict[str, dict[str, torch.Tensor]]:
+    """The accumulated gradients at the first optimizer step of the policy and the critic in
+    ``learner``'s next steps: ``{"policy": {name: grad}, "critic": {...}}``, filled as the
+    step runs. Needs fp32 ZeRO-0 (:func:`make_tiny_learner`), where ``p.grad`` holds them."""
+    captured: dict[str, dict[str, torch.Tensor]] = {}
+    original = learner._optimizer_step
+    names = {id(learner.policy_engine): "policy", id(learner.critic_engine): "critic"}
+
+    def capture(engine, finite):
+        name = names.get(id(engine))
+        if name is not None and name not in captured:
+            captured[name] = {
+                n: p.grad.detach().clone() for n, p in engine.module.named_parameters()
+            }
+        return original(engine, finite)
+
+    learner._optimizer_step = capture
+    return captured
+
+
 def expected_sft_loss(model: torch.nn.Module, trajectories: list[Trajectory], pad_id: int) -> float:
     """Token-mean cross-entropy over policy tokens, computed by hand on a plain HF model:
     what ``Learner.supervised_step`` must report for the same weights and batch."""
