@@ -5,8 +5,8 @@ These pydantic models are the learner's section of the run config (composed by
 config loader stay fast. Every field has a docstring; every bound is a ``Field`` constraint
 so a bad value fails at load time with the field's dotted path in the message.
 
-The algorithm variant is a discriminated union on ``variant`` (see
-``../shared/spec/st-ppo.md`` section 2): fields a variant does not use do not exist on it,
+The algorithm variant is a discriminated union on ``variant`` (see ``docs/algorithms.md``,
+"The variants"): fields a variant does not use do not exist on it,
 so ``algorithm.tau`` on a ``ppo`` config is an error, not a silently ignored value.
 """
 

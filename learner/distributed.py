@@ -5,8 +5,8 @@ DeepSpeed needs a process group even with one process. Without the rendezvous va
 falls back to MPI discovery (``mpi4py`` is not installed) and fails, so
 :func:`init_single_process_distributed` sets ``RANK=0 LOCAL_RANK=0 WORLD_SIZE=1
 MASTER_ADDR=127.0.0.1 MASTER_PORT=<free port>`` unless a launcher (``torchrun``,
-``deepspeed``) already did, then calls ``deepspeed.init_distributed(backend)``
-(see ``../shared/spec/platform-notes.md``, "DeepSpeed 0.19.8 on CPU").
+``deepspeed``) already did, then calls ``deepspeed.init_distributed(backend)``: without
+those variables DeepSpeed 0.19 falls back to MPI, which needs mpi4py.
 
 Callers point ``TORCH_EXTENSIONS_DIR`` at the project cache first
 (:func:`services.env.configure_local_caches`; Ray actors get it in their runtime env), so the

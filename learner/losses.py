@@ -2,8 +2,8 @@
 
 Source: Li et al., "ST-PPO: Stabilized Off-Policy Proximal Policy Optimization for Multi-Turn
 Agents" (arXiv 2511.20718) and its revision (SO-PPO / SO-GRPO, "clipping-triggered
-normalization"); the objectives are written out in ``../shared/spec/st-ppo.md`` section 2,
-whose notation is used here:
+normalization"); the objectives are written out in ``docs/algorithms.md``, whose notation
+is used here:
 
     logr_t  = logp_theta(y_t) - logp_old(y_t)                    token log-ratio
     log rho_k = (1/|T_k|) sum_{t in T_k} logr_t                  turn log-ratio (geometric mean)

@@ -1,7 +1,7 @@
 """The DeepSpeed learner: policy, critic and frozen reference, one ST-PPO-family step.
 
-:class:`Learner` holds three DeepSpeed engines (one process per rank; gloo on CPU, see
-``../shared/spec/platform-notes.md``):
+:class:`Learner` holds three DeepSpeed engines (one process per rank; gloo on CPU,
+:mod:`learner.distributed`):
 
 - ``policy_engine``: the causal LM being trained (AdamW, ZeRO stage and dtype from
   :class:`learner.config.LearnerConfig`);

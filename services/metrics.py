@@ -1,7 +1,7 @@
 """Prometheus metrics of the actor-learner service, on an explicit ``CollectorRegistry``.
 
-Every metric is prefixed ``stppo_``; the learner metrics of ``../shared/spec/st-ppo.md``
-section 4 keep the same name in Prometheus and in the per-step JSONL log (there without the
+Every metric is prefixed ``stppo_``; the learner metrics (``learner.step_metrics.StepMetrics``,
+listed in ``docs/reference/metrics.md``) keep the same name in Prometheus and in the per-step JSONL log (there without the
 prefix). Nothing here touches prometheus_client's global registry, so several
 :class:`TrainingMetrics` can live in one process (tests, multiple runs) without clashing.
 
