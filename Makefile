@@ -1,7 +1,7 @@
 # The two commands a newcomer runs (see README):
 #   make run    set everything up, then train SmolLM2-135M with ST-PPO on CPU (embedded default)
 #   make test   set everything up, then run the whole test suite
-.PHONY: run test test-faults setup lint docs mutation
+.PHONY: run test test-avx2 test-faults setup lint docs mutation
 
 run: setup
 	.venv/bin/stppo train @deploy/configs/cpu_demo.toml
@@ -20,6 +20,17 @@ test: setup
 	# (a segfault at interpreter exit happened once, rc 139) prints every thread's stack.
 	# --durations: the 30 slowest tests, to keep a fresh-clone CI run under 40 minutes.
 	PYTHONFAULTHANDLER=1 .venv/bin/pytest --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo 'no tests collected'; exit 0; fi; exit $$rc
+
+# The tests whose outcome depends on the CPU's instruction set (marker cpu_isa: the dtype
+# "auto" picks, vLLM-CPU's kernels and prepacking, float32 summation order) run as an
+# AVX2-only CPU runs them (scripts/as_avx2.sh), on a CPU with AVX-512 or AMX. CI runs it
+# after `make test`, so a change made on one CPU class is checked on the other.
+test-avx2: setup
+	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
+	  PYTHONFAULTHANDLER=1 scripts/as_avx2.sh .venv/bin/pytest -m 'cpu_isa and not faults' tests; \
+	else \
+	  echo "[test-avx2] this CPU has no AVX-512: make test already ran every test as an AVX2-only CPU"; \
+	fi
 
 # Hard faults (marker faults; root, outside `make test`, ~35 min on 2 cores): kill -9 of the
 # driver at 20 moments and of the learner actor, a full disk during a checkpoint

@@ -25,7 +25,7 @@ from actors.engines.protocol import SamplingParams
 from learner.batch import collate_trajectories
 from learner.modeling import response_logits, token_logprobs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.cpu_isa]
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 ENGINES = [

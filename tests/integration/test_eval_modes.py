@@ -135,6 +135,7 @@ def test_cli_eval_all_modes_on_tiny_llama(
     assert all(r["turns"][0]["passages"] == [] for r in records if r["mode"] == "closed_book")
 
 
+@pytest.mark.cpu_isa
 @pytest.mark.parametrize(("native_bf16", "auto_dtype"), [("1", "bfloat16"), ("0", "float32")])
 def test_rollout_dtype_selects_the_engine_dtype(
     tiny_llama_dir: Path, monkeypatch, native_bf16, auto_dtype

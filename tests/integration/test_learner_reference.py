@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM
 from learner.batch import TrainingBatch, collate_trajectories
 from learner.config import VARIANT_CONFIGS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.cpu_isa]
 
 KL_COEF = 0.05
 CLAMP = 20.0  # spec: |log ratio| bound before exp; beyond it a token has no gradient

@@ -56,6 +56,7 @@ def learner(tiny_llama_dir: Path) -> Learner:
     return Learner(tiny_llama_dir, learner_config(), STPPOConfig(off_policy="behavior"), seed=0)
 
 
+@pytest.mark.cpu_isa
 def test_two_steps_update_weights_and_export_loads_into_hf(learner: Learner, tiny_llama_dir):
     before = policy_state(learner)
     version = learner.policy_version
@@ -175,6 +176,7 @@ def test_lr_warmup_scales_the_first_updates_and_restores_the_rates(tiny_llama_di
     assert moved[4] == pytest.approx(moved[0] / 4, rel=0.02)
 
 
+@pytest.mark.cpu_isa
 def test_checkpoint_round_trip_restores_weights_optimizer_step_and_version(
     learner: Learner, tmp_path: Path, tiny_llama_dir
 ):

@@ -19,6 +19,8 @@ from actors.hardware import (
 )
 from learner.trainer import deepspeed_config
 
+pytestmark = pytest.mark.cpu_isa  # make test-avx2 runs it as an AVX2-only CPU
+
 # /proc/cpuinfo excerpts of the CPUs this project runs on
 
 AVX2_EPYC = """processor\t: 0

@@ -335,6 +335,7 @@ LAYOUTS = {"padded": {}, "packed": {"pack_sequences": True}}
 LAYOUTS["varlen"] = {**LAYOUTS["packed"], "packed_attention": "varlen"}
 
 
+@pytest.mark.cpu_isa
 @pytest.mark.parametrize("algorithm", [PPOConfig(), GRPOConfig()], ids=["ppo_critic", "grpo"])
 def test_learner_step_losses_packed_equal_padded(algorithm, tiny_llama_dir):
     """One learner step (reference, critic, policy forwards and backwards, optimizer step)
