@@ -1,7 +1,7 @@
 """Soak of the synthetic job on the local cluster (issue 28): memory growth per process,
 errors, and steps per minute at the start and at the end.
 
-Brings up its own :class:`services.local_cluster.LocalCluster` (prefix ``sts``, subnet
+Brings up its own :class:`local_cluster.cluster.LocalCluster` (prefix ``sts``, subnet
 ``10.213.11.0/24``, so it never touches ``scripts/local_cluster.sh``'s cluster), submits
 ``stppo train @/configs/k8s_synthetic.toml`` from the client pod (with the synthetic task's
 own warm start, so that episodes search) with enough steps to outlast ``--minutes`` of
@@ -24,9 +24,9 @@ retrieval and non-finite optimizer steps counted in ``steps.jsonl``).
 Writes ``<out>/rss.jsonl`` (every sample), the run's ``steps.jsonl`` and ``consumed.jsonl``,
 ``<out>/soak.json`` (the summary) and ``<out>/soak.md`` (the table)::
 
-    sudo .venv/bin/python -m benchmarks.cluster_soak --minutes 45 --out build/soak
+    sudo PYTHONPATH=deploy .venv/bin/python -m benchmarks.cluster_soak --minutes 45 --out build/soak
 
-Needs root (network namespaces, see :func:`services.netns.netns_unavailable`).
+Needs root (network namespaces, see :func:`local_cluster.netns.netns_unavailable`).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+from local_cluster.cluster import HEAD_SERVICE, LocalCluster
 
-from services.experiment import read_jsonl
-from services.local_cluster import HEAD_SERVICE, LocalCluster
+from experiments.grid import read_jsonl
 
 ERROR_LINE = re.compile(r"Traceback|\bERROR\b")
 

@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${STPPO_DATA_DIR:-data}/packages"
 mkdir -p "$dest"
-mapfile -t pins < <(.venv/bin/python -m services.prepare.packages pins deb)
+mapfile -t pins < <(.venv/bin/python -m prepare.packages pins deb)
 missing=()
 for pin in "${pins[@]}"; do
   name=${pin%%=*}

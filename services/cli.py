@@ -169,7 +169,7 @@ def prepare(
     from services.env import configure_local_caches
 
     configure_local_caches()
-    from services.prepare.run import run_prepare
+    from prepare.run import run_prepare
 
     steps = list(only or [])
     data_steps = [s for s in steps if s != "index"]
@@ -185,8 +185,8 @@ def prepare(
 def _prepare_error(error: Exception) -> str:
     """``error``'s message; prefixed with its type unless it is a prepare error or ValueError
     (whose messages are written to stand alone)."""
-    from services.prepare.packages import PackageError
-    from services.prepare.sources import SourceError
+    from prepare.packages import PackageError
+    from prepare.sources import SourceError
 
     if isinstance(error, PackageError | SourceError | ValueError) or type(error).__name__.endswith(
         "BuildError"
@@ -231,11 +231,11 @@ def prepare_synthetic(
     """Build the synthetic search task of the stability benchmark.
 
     Corpus, QA sets, BM25 index and a tiny from-scratch Llama with its tokenizer
-    (services/synthetic_task.py)."""
+    (prepare/synthetic_task.py)."""
     from services.env import configure_local_caches
 
     configure_local_caches()
-    from services.synthetic_task import SyntheticSpec, build_synthetic
+    from prepare.synthetic_task import SyntheticSpec, build_synthetic
 
     spec = SyntheticSpec(seed=seed, num_records=num_records)
     typer.echo(build_synthetic(data_dir, spec, force=force).summary)
@@ -391,8 +391,7 @@ def experiment(
     The grid fixes seeds and step budget; the summary is markdown + JSON.
     Extra dotted.key=value overrides apply to every run (a leading @config.toml is
     not accepted here: the grid names its base config)."""
-    from services.config import ConfigError
-    from services.experiment import (
+    from experiments.grid import (
         experiment_path,
         load_experiment,
         parse_only,
@@ -400,6 +399,7 @@ def experiment(
         plan_warm_start,
         select_runs,
     )
+    from services.config import ConfigError
 
     path, overrides = _split_config_args(config)
     if path is not None:
@@ -416,7 +416,7 @@ def experiment(
     for run in planned:
         typer.echo(f"{run.config.run_dir}: {run.grid_values} seed={run.seed}")
     if spec.archive_dir is not None and archive:
-        from services.run_archive import run_archive_path
+        from experiments.archive import run_archive_path
 
         kept = sum(run_archive_path(spec.archive_dir, r.name).exists() for r in planned)
         typer.echo(f"archive {spec.archive_dir}: {kept} of these {len(planned)} runs archived")
@@ -425,7 +425,7 @@ def experiment(
     from services.env import configure_local_caches
 
     configure_local_caches()
-    from services.experiment import run_experiment, summarize_experiment
+    from experiments.grid import run_experiment, summarize_experiment
 
     if summary_only:
         result = summarize_experiment(

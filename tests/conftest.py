@@ -9,7 +9,7 @@ a category listed in ``STPPO_ALLOW_SKIP`` (comma-separated, e.g. ``STPPO_ALLOW_S
 - ``vllm``: the ``vllm`` package is not importable (or, for the reverse test, it is);
 - ``kubectl`` / ``wget``: those command-line tools are missing;
 - ``netns``: network namespaces cannot be made (not root, no iproute2): the tests that
-  cross a network (``services/netns.py``).
+  cross a network (``deploy/local_cluster/netns.py``).
 """
 
 from __future__ import annotations

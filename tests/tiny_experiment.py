@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from prepare.synthetic_task import SyntheticReport, SyntheticSpec, build_synthetic
 from services.env import PROJECT_ROOT
-from services.synthetic_task import SyntheticReport, SyntheticSpec, build_synthetic
 
 TINY_SPEC = SyntheticSpec(
     num_records=60, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64

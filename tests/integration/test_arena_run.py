@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tiny_experiment import build_tiny_task, tiny_run_overrides, write_experiment
 
-from services.experiment import read_jsonl, run_experiment
+from experiments.grid import read_jsonl, run_experiment
 
 pytestmark = pytest.mark.integration
 

@@ -2,7 +2,7 @@
 
 Marked ``faults`` and left out of ``make test`` (pyproject's ``-m "not faults"``); run them
 with ``.venv/bin/pytest -m faults tests/integration/test_cluster_faults.py`` (as root). Each
-brings up its own cluster (:class:`services.local_cluster.LocalCluster`), runs the synthetic
+brings up its own cluster (:class:`local_cluster.cluster.LocalCluster`), runs the synthetic
 job from the client pod, and breaks one pod mid-run; the measured outcomes are in
 deploy/README.md, "Run the cluster locally".
 """
@@ -15,9 +15,8 @@ import threading
 import time
 
 import pytest
-
-from services.local_cluster import LocalCluster
-from services.netns import netns_unavailable
+from local_cluster.cluster import LocalCluster
+from local_cluster.netns import netns_unavailable
 
 pytestmark = pytest.mark.faults
 

@@ -1,6 +1,6 @@
 """Process groups across hosts whose hostname does not resolve (issue 36).
 
-Each host is a network namespace on a private bridge (:mod:`services.netns`): its own IP,
+Each host is a network namespace on a private bridge (:mod:`local_cluster.netns`): its own IP,
 no default route, and an ``/etc/hosts`` without the machine's hostname, as in a container
 whose hostname is not in DNS. gloo's default device resolves the hostname, falls back to
 loopback and advertises 127.0.0.1, so a group formed that way never connects; every member
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
+from local_cluster.netns import Network, netns_unavailable, remove_all
 
 from services.env import PROJECT_ROOT
-from services.netns import Network, netns_unavailable, remove_all
 
 MEMBER = Path(__file__).with_name("cross_host_member.py")
 PREFIX = "stx"

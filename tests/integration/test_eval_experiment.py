@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from experiments.grid import run_experiment
 from retrieval_server.testing import FIXTURE_CORPUS
 from services.env import PROJECT_ROOT
-from services.experiment import run_experiment
 from services.plots import read_run
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """The whole job across the KubeRay topology emulated on this machine (issue 28).
 
-:class:`services.local_cluster.LocalCluster` brings up the rendered cpu-demo overlay as
+:class:`local_cluster.cluster.LocalCluster` brings up the rendered cpu-demo overlay as
 pods in network namespaces (head, 2 rollout workers, a learner worker, retrieval, prepare,
 monitoring, client; uid 1000, private filesystems, Service names, Ray token auth), and the
 RayJob's entrypoint is submitted from the client pod with ``ray job submit``. What these
@@ -18,9 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from services.local_cluster import LocalCluster
-from services.netns import netns_unavailable
+from local_cluster.cluster import LocalCluster
+from local_cluster.netns import netns_unavailable
 
 CONFIG = "@/configs/k8s_synthetic.toml"
 

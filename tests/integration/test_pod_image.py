@@ -14,15 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from services.local_cluster import (
+from local_cluster.cluster import (
     ClusterError,
     Pod,
     check_image_visible,
     image_paths,
     pod_command,
 )
-from services.netns import Network, netns_unavailable, remove_all
+from local_cluster.netns import Network, netns_unavailable, remove_all
 
 PREFIX = "stimg"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from actors.scoring import score_answer
-from services.prepare.packages import PACKAGES
-from services.prepare.qa import SETS, SPLITS
+from prepare.packages import PACKAGES
+from prepare.qa import SETS, SPLITS
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +94,7 @@ def test_model_folder_is_plain_bf16(model_dir: Path) -> None:
 
 
 def test_second_prepare_only_verifies(data_dir: Path) -> None:
-    from services.prepare.run import run_prepare
+    from prepare.run import run_prepare
 
     report = run_prepare(data_dir)
     assert [s.name for s in report.steps] == ["model", "corpus", "qa"]

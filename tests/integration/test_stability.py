@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from tiny_experiment import build_tiny_task, tiny_run_overrides, write_experiment
 
+from experiments.grid import run_experiment
 from services.env import PROJECT_ROOT
-from services.experiment import run_experiment
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The arena's leaderboards (services.arena) and the stabiliser-activity line
+"""The arena's leaderboards (experiments.arena) and the stabiliser-activity line
 (services.stabilisers) on run directories written by hand, numbers worked in comments."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.arena import (
+from experiments.arena import (
     acted_on,
     bias_norm_distributions,
     board_power,
@@ -21,7 +21,7 @@ from services.arena import (
     summary_markdown,
     write_leaderboards,
 )
-from services.collapse import CollapseRule
+from experiments.collapse import CollapseRule
 from services.config import load_config
 from services.stabilisers import activity_line, stabiliser_activity
 

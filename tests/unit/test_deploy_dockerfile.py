@@ -101,7 +101,7 @@ def test_image_carries_every_pinned_package_and_points_prepare_at_them():
     (env,) = [args for op, args in ops if op == "ENV"]
     assert "STPPO_PACKAGE_DIRS=/opt/stppo/packages" in env
     # the run-time image never runs apt-get after its own install step, and no Python code does
-    source = (PROJECT_ROOT / "services" / "prepare" / "packages.py").read_text()
+    source = (PROJECT_ROOT / "prepare" / "packages.py").read_text()
     assert not re.search(r"\[\s*\"apt-get\"", source)
     # the experiment configs the package data link points at are in the image
     assert "deploy/configs ./deploy/configs" in copies

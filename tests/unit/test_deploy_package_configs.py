@@ -19,7 +19,7 @@ _PLAN = """
 import sys
 from pathlib import Path
 import services
-from services.experiment import experiment_path, load_experiment, plan_runs
+from experiments.grid import experiment_path, load_experiment, plan_runs
 assert Path(services.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), services.__file__
 spec = load_experiment(experiment_path("ppo_vs_st_ppo"))
 runs = plan_runs(spec, "ppo_vs_st_ppo", Path("out"))

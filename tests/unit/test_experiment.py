@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.collapse import CollapseRule, detect_collapse, run_collapsed
-from services.config import ConfigError, load_config
-from services.experiment import (
+from experiments.collapse import CollapseRule, detect_collapse, run_collapsed
+from experiments.grid import (
     EXPERIMENTS_DIR,
     ExperimentSpec,
     experiment_path,
@@ -25,6 +24,7 @@ from services.experiment import (
     warm_start_policy_dir,
     write_summary,
 )
+from services.config import ConfigError, load_config
 
 NAN = math.nan
 
@@ -367,7 +367,7 @@ def test_more_seeds_go_to_the_cells_whose_interval_overlaps_the_best(tmp_path: P
 
 
 def test_only_selects_runs_by_axis_and_seed(tmp_path: Path):
-    from services.experiment import parse_only, select_runs
+    from experiments.grid import parse_only, select_runs
 
     spec = method_spec()
     only = parse_only(spec, ["method=tis3", "method=plain", "buffer.max_staleness=16", "seed=1"])

@@ -1,5 +1,15 @@
-"""The one-way import rule: ``learner/`` and ``actors/`` import nothing from ``services``
-and run without Ray (the GPU machine has neither Ray nor the services' dependencies)."""
+"""The one-way import rules between the packages (CONTRIBUTING, "Layout").
+
+- ``learner/`` and ``actors/`` import nothing of ``services``, ``experiments`` or
+  ``prepare``, and run without Ray (the GPU machine has neither Ray nor the services'
+  dependencies);
+- ``retrieval_server/`` stands alone: none of the other packages;
+- ``prepare/`` (offline assets) never imports ``services`` or ``experiments``, nor Ray;
+- ``services/`` imports ``experiments`` and ``prepare`` only in ``services/cli.py``, the
+  composition root: the process layer holds no grid statistics and no asset building;
+- ``experiments/`` depends on the product, the product never on it (the rules above);
+- no installed package imports the namespace cluster tool (``deploy/local_cluster``).
+"""
 
 from __future__ import annotations
 
@@ -12,28 +22,76 @@ import pytest
 from services.env import PROJECT_ROOT
 
 LOWER = ("learner", "actors")
+PACKAGES = ("services", "learner", "actors", "retrieval_server", "prepare", "experiments")
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "learner": ("services", "experiments", "prepare", "ray"),
+    "actors": ("services", "experiments", "prepare", "ray"),
+    "retrieval_server": ("services", "learner", "actors", "experiments", "prepare", "ray"),
+    "prepare": ("services", "experiments", "ray"),
+    "services": ("experiments", "prepare"),
+    "experiments": (),
+}
+COMPOSITION_ROOT = "services/cli.py"  # the one module of services that imports the two above
+TOOLS = ("local_cluster",)  # deploy/local_cluster: a tool, never imported by a package
 
 
-def _modules(package: str) -> list:
-    return sorted((PROJECT_ROOT / package).rglob("*.py"))
+def _modules(package: str, root=PROJECT_ROOT) -> list:
+    return sorted((root / package).rglob("*.py"))
 
 
-@pytest.mark.parametrize("package", LOWER)
-def test_no_services_imports(package):
+def _imports(path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import of a file, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def layering_violations(package: str, root=PROJECT_ROOT) -> list[str]:
+    """``path:line module`` for every import of ``package`` (under ``root``) that the rules
+    forbid."""
     offenders = []
-    for path in _modules(package):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            offenders += [
-                f"{path.relative_to(PROJECT_ROOT)}:{node.lineno} {n}"
-                for n in names
-                if n == "services" or n.startswith("services.")
-            ]
-    assert offenders == [], offenders
+    for path in _modules(package, root):
+        rel = path.relative_to(root).as_posix()
+        forbidden = FORBIDDEN[package] + TOOLS
+        if rel == COMPOSITION_ROOT:
+            forbidden = TOOLS
+        offenders += [
+            f"{rel}:{line} {name}"
+            for line, name in _imports(path)
+            if any(name == f or name.startswith(f + ".") for f in forbidden)
+        ]
+    return offenders
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_follow_the_layering(package):
+    assert layering_violations(package) == []
+
+
+def test_the_layering_rule_names_each_violation(tmp_path):
+    """Grid statistics in a service, the driver or Ray in an asset builder, the cluster tool
+    anywhere: named by file and line; the composition root may import experiments."""
+    files = {
+        "services/cli.py": "from experiments.grid import run_experiment\n",
+        "services/driver.py": "import json\n\ndef f():\n    from experiments.stability import iqm\n",
+        "prepare/qa.py": "import ray\nfrom services.driver import run_training\n",
+        "learner/x.py": "from local_cluster.netns import Network\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert layering_violations("services", tmp_path) == [
+        "services/driver.py:4 experiments.stability"
+    ]
+    assert layering_violations("prepare", tmp_path) == [
+        "prepare/qa.py:1 ray",
+        "prepare/qa.py:2 services.driver",
+    ]
+    assert layering_violations("learner", tmp_path) == ["learner/x.py:1 local_cluster.netns"]
 
 
 def test_importable_without_ray():
@@ -56,18 +114,12 @@ def test_importable_without_ray():
 
 def _imported_modules(path) -> set[str]:
     """Every absolute module a file imports, at any depth (function-level imports too)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module)
-    return found
+    return {name for _, name in _imports(path)}
 
 
 def test_no_import_cycle_among_services_modules():
     """No ``services`` module imports another that imports it back, even lazily inside a
-    function (``services.experiment`` and ``services.stability`` did)."""
+    function (the experiment grid and its statistics did, when they lived in services)."""
     graph = {
         ".".join(p.relative_to(PROJECT_ROOT).with_suffix("").parts): {
             m for m in _imported_modules(p) if m.startswith("services.")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.prepare import sources as S
-from services.prepare.corpus import (
+from prepare import sources as S
+from prepare.corpus import (
     Passage,
     airport_passages,
     chunk_text,
@@ -17,7 +17,7 @@ from services.prepare.corpus import (
     iso_to_country_name,
     write_passages,
 )
-from services.prepare.sources import clean_html
+from prepare.sources import clean_html
 
 
 def _factbook(code: str, name: str, fields: dict) -> S.FactbookCountry:
@@ -117,8 +117,8 @@ def test_write_passages_is_search_r1_jsonl_and_rejects_duplicate_ids(tmp_path: P
 
 
 def test_corrupt_package_stops_corpus_build_without_a_corpus_folder(tmp_path: Path) -> None:
-    from services.prepare.corpus import SOURCE_PACKAGES, build_corpus
-    from services.prepare.packages import PACKAGES, PackageError
+    from prepare.corpus import SOURCE_PACKAGES, build_corpus
+    from prepare.packages import PACKAGES, PackageError
 
     first = PACKAGES[SOURCE_PACKAGES["wikipedia"]]
     (tmp_path / "packages").mkdir()
@@ -131,7 +131,7 @@ def test_corrupt_package_stops_corpus_build_without_a_corpus_folder(tmp_path: Pa
 
 
 def test_run_prepare_rejects_unknown_steps(tmp_path: Path) -> None:
-    from services.prepare.run import run_prepare
+    from prepare.run import run_prepare
 
     with pytest.raises(ValueError, match=r"unknown prepare step\(s\) \['index'\]"):
         run_prepare(tmp_path, only=["corpus", "index"])

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.env import PROJECT_ROOT
-from services.prepare.packages import (
+from prepare.packages import (
     PACKAGES,
     PackageError,
     PinnedPackage,
@@ -22,6 +21,7 @@ from services.prepare.packages import (
     unpack_package,
     verify_package,
 )
+from services.env import PROJECT_ROOT
 
 
 def _wheel(tmp_path: Path, name: str = "demo-1.0-py3-none-any.whl") -> tuple[Path, str]:
@@ -129,8 +129,8 @@ def _build_deb(folder: Path) -> tuple[Path, str]:
 _AS_POD_SCRIPT = """
 import sys
 from pathlib import Path
-from services.prepare.packages import PinnedPackage, PACKAGES
-from services.prepare.unpacked import unpack_checked  # what the model and corpus steps call
+from prepare.packages import PinnedPackage, PACKAGES
+from prepare.unpacked import unpack_checked  # what the model and corpus steps call
 name, filename, sha, data_dir = sys.argv[1:5]
 pin = PACKAGES[name] if name in PACKAGES else PinnedPackage(name, "1.0", filename, sha, "deb", "MIT", "t")
 out = unpack_checked(pin, Path(data_dir) / "packages", Path(data_dir) / "packages" / "unpacked")
@@ -219,7 +219,7 @@ def test_prefetched_file_is_verified_then_copied_into_the_packages_dir(tmp_path,
 
 
 def test_script_prints_pins_and_sha256sums_the_image_build_uses():
-    script = PROJECT_ROOT / "services" / "prepare" / "packages.py"
+    script = PROJECT_ROOT / "prepare" / "packages.py"
     run = lambda *a: subprocess.run(  # noqa: E731
         [sys.executable, str(script), *a], capture_output=True, text=True, check=True
     ).stdout.split("\n")

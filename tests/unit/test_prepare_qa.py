@@ -7,9 +7,9 @@ import random
 from collections import Counter
 
 from actors.scoring import score_answer
-from services.prepare import qa
-from services.prepare import sources as S
-from services.prepare.corpus import Sources
+from prepare import qa
+from prepare import sources as S
+from prepare.corpus import Sources
 
 
 def _country(code: str, name: str, capital: str, legislature: str) -> S.FactbookCountry:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from prepare.corpus import build_corpus
+from prepare.manifest import ManifestError, read_manifest
+from prepare.packages import PinnedPackage
+from prepare.unpacked import unpack_checked
 from services.cli import app
-from services.prepare.corpus import build_corpus
-from services.prepare.manifest import ManifestError, read_manifest
-from services.prepare.packages import PinnedPackage
-from services.prepare.unpacked import unpack_checked
 
 PASSAGES = b'{"id": "0", "contents": "\\"Lima\\"\\nLima is the capital of Peru."}\n'
 

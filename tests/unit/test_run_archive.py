@@ -1,4 +1,4 @@
-"""services.run_archive: a grid's finished runs and warm start, kept with the source and
+"""experiments.archive: a grid's finished runs and warm start, kept with the source and
 written back on another machine byte for byte (records and the times that date a run)."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from services import run_archive, run_records
-from services.arena import read_run
-from services.collapse import CollapseRule
-from services.run_archive import ArchiveMismatchError
+from experiments import archive as run_archive
+from experiments.archive import ArchiveMismatchError
+from experiments.arena import read_run
+from experiments.collapse import CollapseRule
+from services import run_records
 
 DIGEST = "ab" * 32
 
@@ -115,7 +116,7 @@ def test_a_run_the_time_cap_stopped_early_is_neither_archived_nor_kept(
     and the grid's resume runs it again (red if any of them counts it as finished)."""
     from types import SimpleNamespace
 
-    from services.experiment import _unfinished
+    from experiments.grid import _unfinished
 
     capped = make_run(tmp_path / "out" / "r")
     steps = run_records.read_records(capped / "steps.jsonl")
@@ -242,12 +243,12 @@ def test_dry_run_counts_the_archived_runs(tmp_path: Path, monkeypatch: pytest.Mo
     from services.cli import app
 
     monkeypatch.chdir(tmp_path)  # the arena's archive_dir is relative to the working dir
-    archive = tmp_path / "docs" / "results" / "arena_runs"
+    archive = tmp_path / "experiments" / "runs" / "arena"
     name = "method-gspo_max_staleness-4_seed-0"
     run_archive.archive_run(make_run(tmp_path / "runs" / name), archive, DIGEST)
     result = CliRunner().invoke(app, ["experiment", "arena", "--dry-run"])
     assert result.exit_code == 0, result.output
-    assert "archive docs/results/arena_runs: 1 of these 160 runs archived" in result.output
+    assert "archive experiments/runs/arena: 1 of these 160 runs archived" in result.output
     result = CliRunner().invoke(app, ["experiment", "arena", "--dry-run", "--no-archive"])
     assert result.exit_code == 0 and "archive " not in result.output
 
@@ -255,7 +256,7 @@ def test_dry_run_counts_the_archived_runs(tmp_path: Path, monkeypatch: pytest.Mo
 def test_summary_restores_archived_runs_unless_told_not_to(tmp_path: Path):
     from tiny_experiment import write_experiment
 
-    from services.experiment import summarize_experiment
+    from experiments.grid import summarize_experiment
 
     experiments = tmp_path / "experiments"
     write_experiment(
@@ -298,7 +299,7 @@ def test_provenance_counts_the_machines_and_days_of_the_named_runs(
 def test_a_summary_of_a_slice_reads_only_its_runs(tmp_path: Path):
     from tiny_experiment import write_experiment
 
-    from services.experiment import summarize_experiment
+    from experiments.grid import summarize_experiment
 
     experiments = tmp_path / "experiments"
     write_experiment(

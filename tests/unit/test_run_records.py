@@ -284,10 +284,10 @@ def test_stppo_train_writes_its_pid_for_the_pre_stop_hook(tmp_path: Path, monkey
 def test_readers_of_runs_count_each_step_once(tmp_path: Path):
     """stppo plot, the experiment summary and the stability cells read through
     read_records: the issue's directory (two runs' steps 1..2 in one file) is refused."""
-    from services.collapse import CollapseRule
-    from services.experiment import summarize_run
+    from experiments.collapse import CollapseRule
+    from experiments.grid import summarize_run
+    from experiments.stability import run_stats
     from services.plots import read_run
-    from services.stability import run_stats
 
     run_dir = tmp_path / "r"
     run_dir.mkdir()

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from services.collapse import CollapseRule
-from services.config import ConfigError, load_config
-from services.experiment import ExperimentSpec, plan_runs
-from services.stability import (
+from experiments.collapse import CollapseRule
+from experiments.grid import ExperimentSpec, plan_runs
+from experiments.stability import (
     cell_summaries,
     iqm,
     iqm_ci,
@@ -24,7 +23,8 @@ from services.stability import (
     run_stats,
     wilson_ci,
 )
-from services.synthetic_task import make_records, qa_records
+from prepare.synthetic_task import make_records, qa_records
+from services.config import ConfigError, load_config
 
 
 def test_records_are_seeded_unique_and_link_elsewhere():
@@ -111,7 +111,7 @@ def test_vectorised_poi_equals_scipy_mann_whitney_on_ties_and_batches():
     """The bootstrap's vectorised statistic == the scipy point estimate, per resample row."""
     import numpy as np
 
-    from services.stability import _poi_axis
+    from experiments.stability import _poi_axis
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 4, size=(5, 7)) / 4  # many ties
@@ -234,7 +234,7 @@ def test_stale_cells_are_compared_with_staleness_0(tmp_path: Path):
 
 
 def test_tokenizer_ids_and_codes_are_single_tokens_and_round_trip():
-    from services.synthetic_task import SPECIAL_TOKENS, tokenizer_texts, train_tokenizer
+    from prepare.synthetic_task import SPECIAL_TOKENS, tokenizer_texts, train_tokenizer
 
     records = make_records(40, seed=1)
     whole = [r.rid for r in records] + [f"{c:03d}" for c in range(1000)]
@@ -249,7 +249,7 @@ def test_tokenizer_ids_and_codes_are_single_tokens_and_round_trip():
 
 
 def test_write_cells_leaves_unfinished_runs_out_and_draws_intervals(tmp_path: Path):
-    from services.stability import write_cells
+    from experiments.stability import write_cells
 
     rule = CollapseRule(drop=0.3, last_k=2, window=1)
     done = [_fake_run(tmp_path, f"p{i}", "ppo", 0, [0.2, 0.4, 0.5 + 0.1 * i]) for i in range(3)]

@@ -1,13 +1,13 @@
 """The off-policy arena's leaderboards: one per staleness, methods ranked by final success.
 
-An arena is an experiment grid (:mod:`services.experiment`) over ``method`` (named bundles
+An arena is an experiment grid (:mod:`experiments.grid`) over ``method`` (named bundles
 of overrides: a variant, an objective, a correction) and ``buffer.max_staleness``, with an
 on-policy reference point; ``deploy/configs/experiments/arena.toml`` is the shipped one. For
 every (method, staleness) cell, over its seeds (:class:`LeaderboardRow`):
 
 - final greedy validation success: IQM with a 95% percentile-bootstrap interval (scipy);
 - gain over the start (the same questions before RL), mean with a bootstrap interval;
-- collapse rate (:func:`services.collapse.run_collapsed`) with a Wilson interval, and the
+- collapse rate (:func:`experiments.collapse.run_collapsed`) with a Wilson interval, and the
   share of runs that *ended low*: final success more than :data:`LOW_MARGIN` below the
   median of the on-policy reference's runs, with a Wilson interval. On the synthetic task a
   run that loses the task usually does so late, after the collapse rule's window, and the
@@ -52,11 +52,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services import run_archive
-from services.collapse import CollapseRule, run_collapsed
-from services.run_records import read_records
-from services.stabilisers import MECHANISMS, stabiliser_activity
-from services.stability import (
+from experiments import archive as run_archive
+from experiments.collapse import CollapseRule, run_collapsed
+from experiments.stability import (
     _mean,
     _series,
     iqm,
@@ -68,6 +66,8 @@ from services.stability import (
     probability_of_improvement,
     wilson_ci,
 )
+from services.run_records import read_records
+from services.stabilisers import MECHANISMS, stabiliser_activity
 
 LOW_MARGIN = 0.05
 """How far below the on-policy reference's median final success a run ends to count as
@@ -463,7 +463,7 @@ def leaderboard_header(
 ) -> str:
     """The leaderboards' title and provenance, from the records alone: the experiment, the
     finished runs and how many seeds each cell has, the days and CPUs they ran on (where
-    they came from the grid's archive, :func:`services.run_archive.provenance`), and their
+    they came from the grid's archive, :func:`experiments.archive.provenance`), and their
     run time (summed over runs; the machine time is that over ``parallel_runs``)."""
     extra = extra or {}
     name = extra.get("experiment")

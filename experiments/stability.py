@@ -25,7 +25,7 @@ the seeds. For each cell (:class:`CellSummary`) over its runs:
   final validation success (:func:`probability_of_improvement`, the Mann-Whitney U statistic
   over n*m, as rliable defines it), with a 95% stratified-bootstrap interval (each side
   resampled on its own, :func:`poi_ci`);
-- collapsed: runs for which :func:`services.collapse.run_collapsed` fires (smoothed
+- collapsed: runs for which :func:`experiments.collapse.run_collapsed` fires (smoothed
   success at least ``drop`` below its best on each of the last ``last_k`` steps, or smoothed
   malformed share at least ``malformed``), as ``k/n`` with a 95% Wilson interval
   (:func:`wilson_ci`, ``scipy.stats.binomtest(k, n).proportion_ci(method="wilson")``);
@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.collapse import CollapseRule, run_collapsed
+from experiments.collapse import CollapseRule, run_collapsed
 from services.run_records import read_records as read_jsonl
 
 CELL_KEYS: tuple[str, ...] = ("algorithm.variant", "algorithm.off_policy", "buffer.max_staleness")

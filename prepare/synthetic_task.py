@@ -1,9 +1,9 @@
 """``stppo prepare-synthetic``: a synthetic multi-turn search task and a tiny policy for it.
 
-The stability benchmark (``stppo experiment stability``, :mod:`services.stability`) runs the
+The stability benchmark (``stppo experiment stability``, :mod:`experiments.stability`) runs the
 real pipeline (driver, rollout actors, buffer, DeepSpeed learner, retrieval server, weight
 sync) on this task, so that one RL step takes about a second on a 2-core CPU. Everything is
-built from a seed, in the formats of the real assets (:mod:`services.prepare`), under
+built from a seed, in the formats of the real assets (:mod:`prepare`), under
 ``data/synthetic/``:
 
 - ``corpus/passages.jsonl``: one passage per record (Search-R1 ``{"id", "contents"}``,
@@ -186,8 +186,8 @@ def two_hop_question(record: SyntheticRecord) -> str:
 
 def qa_records(records: list[SyntheticRecord], seed: int) -> dict[str, dict[str, list[dict]]]:
     """``{"single_hop" | "multi_hop": {split: [QA record]}}`` in the real QA format
-    (:func:`services.prepare.qa.make_record`); records split 80/10/10 by a seeded shuffle."""
-    from services.prepare.qa import make_record
+    (:func:`prepare.qa.make_record`); records split 80/10/10 by a seeded shuffle."""
+    from prepare.qa import make_record
 
     by_id = {r.rid: r for r in records}
     index = {r.rid: i for i, r in enumerate(records)}

@@ -52,7 +52,7 @@ class PrepareReport:
 
 
 def _model_step(data_dir: Path, force: bool) -> StepReport:
-    from services.prepare.model import build_model
+    from prepare.model import build_model
 
     r = build_model(data_dir, force=force)
     return StepReport(
@@ -65,7 +65,7 @@ def _model_step(data_dir: Path, force: bool) -> StepReport:
 
 
 def _corpus_step(data_dir: Path, force: bool) -> StepReport:
-    from services.prepare.corpus import build_corpus
+    from prepare.corpus import build_corpus
 
     r = build_corpus(data_dir, force=force)
     return StepReport(
@@ -79,7 +79,7 @@ def _corpus_step(data_dir: Path, force: bool) -> StepReport:
 
 
 def _qa_step(data_dir: Path, force: bool) -> StepReport:
-    from services.prepare.qa import build_qa
+    from prepare.qa import build_qa
 
     r = build_qa(data_dir, force=force)
     counts = r.report["counts"]
@@ -115,11 +115,11 @@ def run_prepare(
 
     Returns:
         A :class:`PrepareReport`; also printed as a table. Import it from
-        ``services.prepare.run`` (the package ``__init__`` stays empty).
+        ``prepare.run`` (the package ``__init__`` stays empty).
 
     Raises:
         ValueError: ``only`` names an unknown step (message lists the valid ones).
-        services.prepare.packages.PackageError: a package file is missing, corrupt or fails
+        prepare.packages.PackageError: a package file is missing, corrupt or fails
             its sha256 check (message names the file).
     """
     from rich.console import Console

@@ -2,7 +2,7 @@
 
 A grid such as the arena is hundreds of runs of a few minutes each: more than one sitting,
 and the sittings do not always get the same machine (a run directory under ``runs/`` does
-not survive a new machine; a commit does). With :attr:`services.experiment.ExperimentSpec.archive_dir`
+not survive a new machine; a commit does). With :attr:`experiments.grid.ExperimentSpec.archive_dir`
 set, every run of the grid is written, once it has finished, into that directory as one
 gzipped JSON file, ``<run name>.json.gz``: the records every summary reads
 (:data:`RUN_FILES`), the modification times of the two files that date the run (its wall
@@ -48,8 +48,8 @@ under ``sync.fixed_lag`` its final evaluation answered with the engines' weights
 ``buffer.max_staleness`` versions behind the learner."""
 
 RUN_FILES: tuple[str, ...] = ("config.json", "run.json", "steps.jsonl", "eval.jsonl")
-"""The files of a run directory that are archived (what :func:`services.experiment.summarize_run`,
-:func:`services.arena.read_run` and the plots read); checkpoints and logs are not."""
+"""The files of a run directory that are archived (what :func:`experiments.grid.summarize_run`,
+:func:`experiments.arena.read_run` and the plots read); checkpoints and logs are not."""
 
 DATED_FILES: tuple[str, ...] = ("config.json", "eval.jsonl")
 """Files whose modification time is kept: a run's wall time is the span between them
@@ -321,7 +321,7 @@ def steps_done(run_dir: Path) -> tuple[int, int]:
 
 def is_complete(run_dir: Path) -> bool:
     """Finished (:func:`is_finished`) with every learner step it planned: a run stopped by a
-    time cap (:attr:`services.experiment.ExperimentSpec.max_run_s`, on a loaded machine)
+    time cap (:attr:`experiments.grid.ExperimentSpec.max_run_s`, on a loaded machine)
     evaluates and finishes too, with fewer updates: not a sample of the grid's experiment."""
     if not is_finished(run_dir):
         return False

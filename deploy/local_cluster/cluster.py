@@ -2,7 +2,7 @@
 
 ``scripts/local_cluster.sh up|status|submit|exec|kill|add|down`` (this module's CLI) turns
 the *rendered* cpu-demo overlay (``kubectl kustomize deploy/k8s/overlays/cpu-demo``) into
-"pods" on this machine, each a host of :mod:`services.netns` (own network namespace and IP
+"pods" on this machine, each a host of :mod:`local_cluster.netns` (own network namespace and IP
 on a private bridge, no default route, the machine's hostname unresolvable) running in its
 own mount namespace as uid 1000, as the restricted pods run:
 
@@ -48,7 +48,7 @@ Where this differs from a real cluster (each is a deliberate, documented choice)
 - the bridge itself has address ``.1``, so this machine reaches pods the way ``kubectl
   port-forward`` would (tests read Prometheus and the shared volume from here).
 
-Needs root, iproute2 and util-linux (:func:`services.netns.netns_unavailable`) and
+Needs root, iproute2 and util-linux (:func:`local_cluster.netns.netns_unavailable`) and
 ``kubectl``. ``down`` removes every namespace, veth, bridge and process it made, even after
 a failed ``up``.
 """
@@ -73,8 +73,8 @@ from typing import Annotated, Any
 import typer
 import yaml
 
+from local_cluster.netns import Host, Network, netns_unavailable, remove_all
 from services.env import PROJECT_ROOT
-from services.netns import Host, Network, netns_unavailable, remove_all
 
 PREFIX = "stc"
 SUBNET = "10.213.8.0/24"

@@ -12,8 +12,8 @@ trajectories (``malformed_rate``) at or above ``malformed`` [0.5] on each of the
 The paper's collapse is a sharp, lasting fall of success after a good phase; this rule asks
 for exactly that and ignores a single bad batch.
 
-Used by the experiment summaries (:mod:`services.experiment`) and the per-cell statistics
-(:mod:`services.stability`), which both import it; neither imports the other's module
+Used by the experiment summaries (:mod:`experiments.grid`) and the per-cell statistics
+(:mod:`experiments.stability`), which both import it; neither imports the other's module
 for it.
 """
 

@@ -8,7 +8,7 @@ pinned file into ``/opt/stppo/packages`` at build time). A missing wheel is down
 it: nothing here runs ``apt-get``, which needs root and apt lists (a container has neither).
 Fetch the debs where apt works, as the image build does::
 
-    apt-get update && apt-get download $(python services/prepare/packages.py pins deb)
+    apt-get update && apt-get download $(python prepare/packages.py pins deb)
 
 and put them in ``data/packages/`` or a folder named in ``STPPO_PACKAGE_DIRS``. Every file
 is checked against its pinned sha256 and unpacked (wheels are zip files; debs with

@@ -1,6 +1,6 @@
 """Hosts on one machine: Linux network namespaces joined by a bridge, each with its own IP.
 
-The building block of the local cluster (:mod:`services.local_cluster`) and of the tests
+The building block of the local cluster (:mod:`local_cluster.cluster`) and of the tests
 that cross a network. Each :class:`Host` is a network namespace with one veth interface
 (``eth0``) on a private bridge, an address in a subnet that exists only inside these
 namespaces, its own loopback, **no default route**, and its own ``/etc/hosts`` and

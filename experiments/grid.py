@@ -9,11 +9,11 @@ with a list of values), the seeds and the step budget. Every combination x seed 
 exported policy with SFT off, so all runs share one identical warm start. Then:
 
 - ``summary.json`` and ``summary.md``: one row per run (:class:`RunSummary`): final and
-  best validation success, training success, collapse yes/no (:func:`services.collapse.run_collapsed`),
+  best validation success, training success, collapse yes/no (:func:`experiments.collapse.run_collapsed`),
   mean clip ratio, mean approx KL, mean clipping-bias norm, mean staleness, wall time;
 - ``curves.png``: every run overlaid (:func:`services.plots.plot_runs`).
 
-Collapse: :mod:`services.collapse` (the rule, :class:`CollapseRule`, and its detection).
+Collapse: :mod:`experiments.collapse` (the rule, :class:`CollapseRule`, and its detection).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from experiments import archive as run_archive
+from experiments.collapse import CollapseRule, run_collapsed
+from experiments.stability import write_cells
 from learner.config import StrictModel
-from services import run_archive
-from services.collapse import CollapseRule, run_collapsed
 from services.config import ConfigError, RunConfig, _format_validation_error, load_config, read_toml
 from services.run_records import clear_run_records
-from services.stability import write_cells
 
 SOURCE_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "deploy" / "configs"
 """``deploy/configs`` of a source checkout."""
@@ -126,7 +126,7 @@ class ExperimentSpec(StrictModel):
 
     leaderboard: bool = False
     """Also write the per-staleness leaderboards of a ``method`` grid
-    (:mod:`services.arena`): ``leaderboard.{json,md}`` and three figures."""
+    (:mod:`experiments.arena`): ``leaderboard.{json,md}`` and three figures."""
 
     baseline_method: str | None = None
     """The method the summaries compare every cell with at the same staleness
@@ -177,7 +177,7 @@ class ExperimentSpec(StrictModel):
     archive_dir: Path | None = None
     """Keep every finished run (and the shared warm start) in this directory, relative to
     the working directory, as one file per run meant to be committed with the source
-    (:mod:`services.run_archive`): at the start of a sitting the archived runs are written
+    (:mod:`experiments.archive`): at the start of a sitting the archived runs are written
     back under the output directory and skipped, so the grid resumes on any machine with
     the checkout. None: the grid lives in its output directory alone."""
 
@@ -188,7 +188,7 @@ class ExperimentSpec(StrictModel):
 
     cells: bool = False
     """Also summarise per grid point (the grid's keys name a cell) over its seeds
-    (:mod:`services.stability`): ``cells.json``, ``cells.md`` (IQM of final validation and
+    (:mod:`experiments.stability`): ``cells.json``, ``cells.md`` (IQM of final validation and
     training success with bootstrap intervals, validation gain over the start, probability
     of improvement over ppo, collapse rate with a Wilson interval, clip ratio, approx KL,
     clip-bias scale, realised staleness), ``cells.png`` (success curves, mean and band over
@@ -499,7 +499,7 @@ def more_seed_points(spec: ExperimentSpec, planned: list[PlannedRun]) -> list[di
     ``group_by`` axis (a leaderboard) whose planned runs have all finished, every point
     whose 95% bootstrap interval of the IQM of final validation success overlaps the best
     point's (the highest IQM; the best included). In plan order."""
-    from services.stability import iqm, iqm_ci
+    from experiments.stability import iqm, iqm_ci
 
     rule = spec.more_seeds
     if rule is None:
@@ -768,7 +768,7 @@ def _unfinished(
 ) -> list[tuple[str, PlannedRun]]:
     """The planned runs still to run, labelled for the console: not run in this call
     (``done``), and not complete before (with ``skip_finished``;
-    :func:`services.run_archive.is_complete`). A partial run's records are cleared (it
+    :func:`experiments.archive.is_complete`). A partial run's records are cleared (it
     restarts from scratch), and so are those of a run the time cap stopped early."""
     todo = []
     for i, run in enumerate(planned, 1):
@@ -871,7 +871,7 @@ def summarize_experiment(
         run_dirs = [r.config.run_dir for r in started]
         _, cells_md, _ = write_cells(run_dirs, spec.collapse, out_dir, cell_keys=tuple(spec.grid))
     if spec.leaderboard:
-        from services.arena import write_leaderboards
+        from experiments.arena import write_leaderboards
 
         run_dirs = [r.config.run_dir for r in started]
         write_leaderboards(
@@ -881,7 +881,7 @@ def summarize_experiment(
 
 
 class _Archive:
-    """A grid's :attr:`ExperimentSpec.archive_dir` (:mod:`services.run_archive`), bound to
+    """A grid's :attr:`ExperimentSpec.archive_dir` (:mod:`experiments.archive`), bound to
     its output directory and warm start."""
 
     def __init__(

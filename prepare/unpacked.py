@@ -1,6 +1,6 @@
 """Unpack a pinned package, checking a folder left by an earlier run before reusing it.
 
-:func:`services.prepare.packages.unpack_package` reuses any existing unpacked folder as is.
+:func:`prepare.packages.unpack_package` reuses any existing unpacked folder as is.
 :func:`unpack_checked` compares that folder with the (sha256-verified) package file: every
 regular file the archive holds must be there with the same size (and, for wheels, the same
 CRC-32 recorded in the zip). A folder that differs -- a file edited, truncated or deleted --
@@ -20,7 +20,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from services.prepare.packages import PackageError, PinnedPackage, unpack_package
+from prepare.packages import PackageError, PinnedPackage, unpack_package
 
 log = logging.getLogger(__name__)
 
