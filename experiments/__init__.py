@@ -3,6 +3,6 @@ collapse rule, the off-policy arena's leaderboards and the archive of finished r
 
 ``stppo experiment`` (``services/cli.py``) is the only product code that imports this
 package; nothing in ``services``, ``learner``, ``actors``, ``retrieval_server`` or
-``prepare`` does (``tests/unit/test_layering.py``). Experiments depend on the product, the
+``prepare`` does (``tests/unit/repository/test_layering.py``). Experiments depend on the product, the
 product never on experiments.
 """

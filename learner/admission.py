@@ -1,7 +1,7 @@
 """Staleness-aware admission: start only rollouts whose output will be consumed in bound.
 
 Pure Python, no Ray, no clock: the driver (``services.driver``) calls these two functions
-on every loop iteration, and ``tests/unit/test_admission_sim.py`` drives them with simulated
+on every loop iteration, and ``tests/unit/learner/test_admission_sim.py`` drives them with simulated
 rollout and learner durations.
 
 Notation. ``B`` = ``learner.train_batch_size``, ``s`` = ``buffer.max_staleness``, ``V`` = the

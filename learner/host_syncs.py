@@ -21,7 +21,7 @@ functions (``zeros``, ``arange``...) are host tensors until combined with a resi
 gradients made by autograd's engine are not seen.
 
 :func:`count_syncs` counts one call's syncs either way (CUDA's own report on a GPU);
-``tests/unit/test_host_syncs.py`` and ``benchmarks/learner_step.py --count-syncs`` use it.
+``tests/unit/learner/test_host_syncs.py`` and ``benchmarks/learner_step.py --count-syncs`` use it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Per token, with z = (h W^T + b) / temperature, lse = logsumexp(z), p = softmax(z
     entropy = lse - sum_v p_v z_v        d entropy / dz = -p * (z - lse + entropy)
 
 The same formulas as the full path, in the same float32, so the two agree to rounding
-(``tests/unit/test_chunked_logprobs.py``).
+(``tests/unit/learner/test_chunked_logprobs.py``).
 """
 
 from __future__ import annotations

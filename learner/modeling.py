@@ -185,7 +185,7 @@ class LayerCompiler:
     What it buys: inductor fuses the RMSNorm (float32 upcast, mean of squares, scale), the
     rotary embedding and SiLU x up-projection into a few kernels; matmuls and attention
     stay cuBLAS / SDPA. The values are the eager ones to rounding
-    (``tests/unit/test_compile_layers.py`` checks the graphs and the wiring on the CPU,
+    (``tests/unit/learner/test_compile_layers.py`` checks the graphs and the wiring on the CPU,
     ``tests/gpu/test_learner_cuda.py`` inductor's kernels on CUDA).
 
     Args:

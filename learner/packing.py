@@ -20,7 +20,7 @@ build the same one from the positions (``masking_utils.find_packed_sequence_indi
 its check for packed rows reads a GPU tensor on the host at every forward; here the
 segments are known on the host, so the mask is built on the device without a wait. A token
 sees exactly what it sees in the padded layout (its own trajectory's earlier tokens, the
-same positions), so outputs agree to rounding (the test: ``tests/unit/test_packing.py``,
+same positions), so outputs agree to rounding (the test: ``tests/unit/learner/test_packing.py``,
 losses within 1e-5 in float32). Rows are never wider than the
 longest trajectory, so the attention work (rows * W^2 with a dense mask) never exceeds the
 padded layout's (B * L^2), and the linear layers compute ``rows * W`` slots instead of

@@ -67,7 +67,7 @@ forward and its backward: the policy tokens' positions come from the host
 (:meth:`TrainingBatch.to`), and the loss skips its checks of values the collation
 guarantees. What still waits, in the padded layout only, is transformers' mask check at
 the start of each forward; the packed layouts pass their mask prepared
-(:mod:`learner.packing`) and add no sync (``tests/unit/test_host_syncs.py``). DeepSpeed's
+(:mod:`learner.packing`) and add no sync (``tests/unit/learner/test_host_syncs.py``). DeepSpeed's
 throughput timer, which synchronised the device at every engine forward, is off.
 
 Clipping-bias norm ||C|| is the norm over the whole mini-batch (spec section 6: one per

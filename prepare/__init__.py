@@ -3,5 +3,5 @@ from pinned registry packages (``stppo prepare``, :mod:`prepare.run`), and the s
 search task (``stppo prepare-synthetic``, :mod:`prepare.synthetic_task`).
 
 Built once, before any run; nothing here imports ``services`` or Ray
-(``tests/unit/test_layering.py``).
+(``tests/unit/repository/test_layering.py``).
 """

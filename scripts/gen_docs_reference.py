@@ -13,7 +13,7 @@
   options, walked from the typer app ``services.cli.app`` (``typer.main.get_command``).
 
 Each ``*_reference()`` function is pure (imports, no I/O) and returns the page as a string;
-``main()`` writes them. ``tests/unit/test_docs_reference.py`` regenerates the pages in
+``main()`` writes them. ``tests/unit/repository/test_docs_reference.py`` regenerates the pages in
 memory and fails when a committed page differs, so a changed docstring, bound or option is
 a red test until the pages are regenerated::
 

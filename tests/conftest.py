@@ -14,7 +14,9 @@ a category listed in ``STPPO_ALLOW_SKIP`` (comma-separated, e.g. ``STPPO_ALLOW_S
 
 from __future__ import annotations
 
+import gzip
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,10 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 DATA_DIR = Path(os.environ.get("STPPO_DATA_DIR", PROJECT_ROOT / "data"))
+TOKENIZER_ASSET = Path(__file__).parent / "assets" / "smollm2-tokenizer"
+UNIT_TEST_TIMEOUT_S = 60
+"""Each unit test's limit (pytest-timeout; the suite's default, 900 s, is for integration
+tests): the slowest unit test takes about 11 s on a 2-core CPU."""
 MODEL_DIR = DATA_DIR / "model" / "smollm2-135m-instruct"
 
 
@@ -102,14 +108,35 @@ def data_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct's tokenizer (49,152 tokens and its chat template), committed
+    under ``tests/assets/`` (``tokenizer.json`` gzipped): tests that need only the tokenizer
+    run without ``stppo prepare`` and without the network."""
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    for path in TOKENIZER_ASSET.iterdir():
+        if path.suffix == ".gz":
+            (out / path.stem).write_bytes(gzip.decompress(path.read_bytes()))
+        elif path.suffix != ".md":
+            shutil.copy(path, out / path.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tok(tokenizer_dir: Path):
+    """The SmolLM2 tokenizer (:func:`tokenizer_dir`) as a transformers tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tok) -> Path:
     """A randomly initialised 2-layer Llama (hidden 64) with SmolLM2's tokenizer, saved as
     an HF folder. Fast stand-in for the real policy where weights do not matter."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny_llama")
-    tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=64,
@@ -131,7 +158,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) ->
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the tests that start vLLM engines in this process first.
+    """Run the tests that start vLLM engines in this process first, and give every unit
+    test without its own limit :data:`UNIT_TEST_TIMEOUT_S`.
 
     vLLM 0.32's Triton kernel dispatcher (``vllm/triton_utils/dispatcher.py``,
     ``_rebind_kernels``) scans every module in ``sys.modules`` when an engine starts and
@@ -143,3 +171,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     in-process must start them before anything loads llvmlite.
     """
     items.sort(key=lambda item: item.get_closest_marker("vllm") is None)  # stable
+    unit = PROJECT_ROOT / "tests" / "unit"
+    for item in items:
+        if item.path.is_relative_to(unit) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(UNIT_TEST_TIMEOUT_S))

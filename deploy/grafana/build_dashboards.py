@@ -4,7 +4,7 @@
     .venv/bin/python deploy/grafana/build_dashboards.py --check  # exit 1 if they are stale
 
 The committed JSON is what Grafana imports (file provisioning, or the kube-prometheus-stack
-sidecar through ConfigMap ``stppo-grafana-dashboards``); tests/unit/test_deploy_grafana.py
+sidecar through ConfigMap ``stppo-grafana-dashboards``); tests/unit/repository/test_deploy_grafana.py
 checks it equals this script's output, that every PromQL expression parses, and that every
 metric it names is exported by ``services.metrics`` or ``retrieval_server.metrics``.
 

@@ -129,7 +129,7 @@ def _cuda_syncs(learner: Learner, trajectories: list) -> Counter:
 def test_packed_micro_batches_add_no_host_sync_on_cuda(
     tiny_llama_dir: Path, layout, record_property
 ):
-    """The CUDA side of ``tests/unit/test_host_syncs.py``: eight micro-batches per step
+    """The CUDA side of ``tests/unit/learner/test_host_syncs.py``: eight micro-batches per step
     against two (the same optimizer steps), bf16, ZeRO-2, st_ppo (policy and critic). The
     six more micro-batches add no sync anywhere (this project's code, transformers' and
     DeepSpeed's: the packed layouts' masks come prepared, and varlen runs the kernel, which

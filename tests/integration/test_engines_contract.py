@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from learner_factories import make_trajectory
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from actors.engines.protocol import SamplingParams
 from learner.batch import collate_trajectories
@@ -76,11 +76,6 @@ def build_tiny(out: Path, tok, seed: int) -> Path:
     model.to(torch.bfloat16).save_pretrained(out)
     tok.save_pretrained(out)
     return out
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,15 @@ def test_model_folder_is_plain_bf16(model_dir: Path) -> None:
     assert "<|im_start|>" in (model_dir / "chat_template.jinja").read_text()
 
 
+def test_the_committed_test_tokenizer_is_the_one_prepare_builds(
+    model_dir: Path, tokenizer_dir: Path
+) -> None:
+    """tests/assets/smollm2-tokenizer (what unit tests load) is byte for byte the
+    tokenizer of the model folder ``stppo prepare`` builds."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tokenizer_dir / name).read_bytes() == (model_dir / name).read_bytes(), name
+
+
 def test_second_prepare_only_verifies(data_dir: Path) -> None:
     from prepare.run import run_prepare
 

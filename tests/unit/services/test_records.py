@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rollout_fakes import TableRetriever
-from transformers import AutoTokenizer
 
 from actors.config import RolloutConfig
 from actors.engines.scripted import ScriptedEngine
@@ -44,11 +43,6 @@ EPISODES = {
     "Capital of Italy?": (["<answer> Rome<|im_end|>"], "Rome", "multi_hop"),  # unclosed
     "Capital of France?": (["<answer> the PARIS! </answer>"], "Paris", "multi_hop"),  # right
 }
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def enc(tok, text: str) -> list[int]:

@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
 from actors.engines.hf import trim_generation
 from actors.engines.protocol import STOP_STRINGS, GenerationResult, SamplingParams, find_stop
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def enc(tok, text: str) -> list[int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from rollout_fakes import TableRetriever
-from transformers import AutoTokenizer
 
 from actors.baselines import run_single_turn
 from actors.config import RolloutConfig
@@ -45,11 +44,6 @@ MC_Q = {
     "data_source": "medical_mc",
     "metadata": {"options": {"A": "A", "B": "B12", "C": "C", "D": "D"}, "answer_letter": "C"},
 }
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def chatml(system: str, user: str) -> str:

@@ -1,5 +1,5 @@
 """Stabilisers of spec section 6 on the loss functions: token bound inside turns, dual clip,
-low_var_kl, and their config validation (the behaviour weights: tests/unit/test_corrections.py)."""
+low_var_kl, and their config validation (the behaviour weights: tests/unit/learner/test_corrections.py)."""
 
 from __future__ import annotations
 

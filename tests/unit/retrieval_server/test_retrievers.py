@@ -313,7 +313,7 @@ def test_bm25_keeps_jax_off_the_gpu(tmp_path: Path, chosen: str | None, seen: st
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     if chosen is not None:
         env["JAX_PLATFORMS"] = chosen
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env["PYTHONPATH"] = os.pathsep.join([str(fake.parent), str(root)])
     env["JAX_SEEN"] = str(tmp_path / "seen.txt")
     code = (

@@ -13,7 +13,6 @@ import time
 import numpy as np
 import pytest
 from rollout_fakes import TableRetriever
-from transformers import AutoTokenizer
 
 from actors.config import RolloutConfig
 from actors.engines.scripted import ScriptedEngine
@@ -32,11 +31,6 @@ def record(question: str, answer: str, qid: str = "q0") -> dict:
         "golden_answers": [answer],
         "data_source": "single_hop",
     }
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def enc(tok, text: str) -> list[int]:

@@ -22,6 +22,8 @@ import pytest
 
 from services.env import PROJECT_ROOT
 
+pytestmark = pytest.mark.integration  # uv resolves against the package registry
+
 PYPROJECT = PROJECT_ROOT / "pyproject.toml"
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from services.env import PROJECT_ROOT
 
+pytestmark = pytest.mark.integration  # hadolint lints the Dockerfile
+
 DOCKERFILE = PROJECT_ROOT / "deploy" / "Dockerfile"
 
 

@@ -15,7 +15,7 @@ from services.config import ConfigError, load_config
 from services.qa_data import QADataError, load_qa_file
 from services.sampler import QuestionSampler, evaluation_questions, qa_sets
 
-OWN = Path(__file__).resolve().parents[1] / "fixtures" / "own_task"
+OWN = Path(__file__).resolve().parents[2] / "fixtures" / "own_task"
 NQ, HOTPOT = OWN / "nq", OWN / "hotpotqa"
 
 

@@ -16,7 +16,6 @@ from test_rollout_loop import (
     start_loader_and_wait,
     start_loader_during_first_retrieval,
 )
-from transformers import AutoTokenizer
 
 from actors.config import RolloutConfig
 from actors.engines.scripted import ScriptedEngine
@@ -25,11 +24,6 @@ from actors.rollout import ContinuousBatcher, RolloutWorker, run_rollout
 TWO_SEARCHES = [TURN0, TURN0, "<answer>Lima</answer>"]  # three turns
 ONE_TURN = ["<answer>Lima</answer>"]
 SCRIPTS = {"Long?": TWO_SEARCHES, "Short?": ONE_TURN, "Next?": [TURN0, "<answer>Lima</answer>"]}
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def batcher(tok, cfg: RolloutConfig | None = None) -> tuple[ContinuousBatcher, ScriptedEngine]:

@@ -33,6 +33,8 @@ import yaml
 from services.config import load_config
 from services.env import PROJECT_ROOT
 
+pytestmark = pytest.mark.integration  # kubectl kustomize renders the overlays
+
 DEPLOY = PROJECT_ROOT / "deploy"
 OVERLAYS = ("cpu-demo", "gpu")
 CRD_DIR = DEPLOY / "schemas" / "kuberay"

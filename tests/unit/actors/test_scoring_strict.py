@@ -13,7 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from rollout_fakes import TableRetriever
-from transformers import AutoTokenizer
 
 from actors.baselines import run_single_turn
 from actors.config import RolloutConfig
@@ -133,11 +132,6 @@ BOGOTA_Q = {
     "golden_answers": ["Bogotá"],
     "data_source": "single_hop",
 }
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.mark.parametrize(("mode", "success"), [("folded", True), ("strict", False)])
