@@ -25,9 +25,9 @@ Padding values: ``loss_mask`` 0, ``turn_ids`` -1, ``behavior_logprobs`` 0.0,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,8 +35,7 @@ from torch import Tensor
 
 from actors.trajectory import Trajectory
 
-if TYPE_CHECKING:  # learner.packing imports this module
-    from learner.packing import ModelInputs
+_L = TypeVar("_L")
 
 _SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
 """[B, L] fields (prompt + response columns)."""
@@ -103,11 +102,11 @@ class TrainingBatch:
             pi_prox / pi_behaviour (:func:`learner.losses.behavior_importance_weights`).
         policy_positions: ``(rows, columns)`` of the policy tokens, int64 [N] each, or None;
             set by :meth:`to` (read them through :meth:`policy_token_positions`).
-        layouts: the forward inputs built from this batch, by layout
-            (:func:`learner.packing.model_inputs` fills it, so that the reference, critic
-            and policy forwards of one micro-batch share one layout); empty in a batch
-            made by :meth:`select` or :meth:`to`. The fields a layout is built from
-            (ids, masks, positions, lengths) are never reassigned.
+
+    A batch also keeps the forward inputs built from it, by layout (:meth:`layout`), so that
+    the reference, critic and policy forwards of one micro-batch share one; a batch made by
+    :meth:`select` or :meth:`to` starts with none. The fields a layout is built from (ids,
+    masks, positions, lengths) are never reassigned.
     """
 
     input_ids: Tensor
@@ -134,9 +133,16 @@ class TrainingBatch:
     returns: Tensor | None = None
     behavior_weights: Tensor | None = None
     policy_positions: tuple[Tensor, Tensor] | None = dataclasses.field(default=None, repr=False)
-    layouts: dict[tuple[bool, bool], ModelInputs] = dataclasses.field(
-        default_factory=dict, repr=False, compare=False
+    _layouts: dict[Hashable, Any] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
     )
+
+    def layout(self, key: Hashable, build: Callable[[TrainingBatch], _L]) -> _L:
+        """The forward inputs of this batch for ``key`` (a layout), ``build(self)`` the first
+        time and the same object after (:func:`learner.packing.model_inputs`)."""
+        if key not in self._layouts:
+            self._layouts[key] = build(self)
+        return self._layouts[key]
 
     @property
     def batch_size(self) -> int:
@@ -186,11 +192,11 @@ class TrainingBatch:
 
     def _row_fields(self) -> list[tuple[str, Tensor | None]]:
         """``(name, value)`` of the per-row fields: every field but the derived ones,
-        ``policy_positions`` and ``layouts`` (not indexed by row)."""
+        ``policy_positions`` and the layouts (not indexed by row)."""
         return [
             (f.name, getattr(self, f.name))
             for f in dataclasses.fields(self)
-            if f.name not in ("policy_positions", "layouts")
+            if f.name not in ("policy_positions", "_layouts")
         ]
 
     def select(self, indices: Sequence[int] | Tensor) -> TrainingBatch:

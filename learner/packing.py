@@ -263,12 +263,9 @@ def block_causal_mask(segment_ids: Tensor) -> Tensor:
 
 def model_inputs(batch: TrainingBatch, packed: bool, varlen: bool = False) -> ModelInputs:
     """:func:`packed_inputs` (``varlen``: its varlen layout) if ``packed`` else
-    :func:`padded_inputs`, built once per batch and layout: kept in ``batch.layouts``, so
+    :func:`padded_inputs`, built once per batch and layout (:meth:`TrainingBatch.layout`), so
     every forward of one micro-batch (reference, old values, policy, critic) takes the same
     inputs (for a packed layout: one placement on the host, one upload, one mask)."""
-    key = (packed, packed and varlen)
-    inputs = batch.layouts.get(key)
-    if inputs is None:
-        inputs = packed_inputs(batch, varlen) if packed else padded_inputs(batch)
-        batch.layouts[key] = inputs
-    return inputs
+    if packed:
+        return batch.layout(("packed", varlen), lambda b: packed_inputs(b, varlen))
+    return batch.layout("padded", padded_inputs)

@@ -117,19 +117,66 @@ def _imported_modules(path) -> set[str]:
     return {name for _, name in _imports(path)}
 
 
-def test_no_import_cycle_among_services_modules():
-    """No ``services`` module imports another that imports it back, even lazily inside a
-    function (the experiment grid and its statistics did, when they lived in services)."""
-    graph = {
-        ".".join(p.relative_to(PROJECT_ROOT).with_suffix("").parts): {
-            m for m in _imported_modules(p) if m.startswith("services.")
-        }
-        for p in _modules("services")
-        if p.parent.name in ("services", "loop") and p.stem != "__init__"
-    }
-    cycles = sorted(f"{a} <-> {b}" for a, deps in graph.items() for b in deps
-                    if a < b and a in graph.get(b, set()))  # fmt: skip
-    assert cycles == [], cycles
+def import_cycles(root=PROJECT_ROOT, packages=PACKAGES) -> list[list[str]]:
+    """The import circles among the modules of ``packages`` under ``root``: every strongly
+    connected set of two or more modules (Tarjan), counting every import at any depth, lazy
+    ones inside functions and ``TYPE_CHECKING`` ones too; ``from a import b`` counts as
+    importing the module ``a.b`` where one exists."""
+    files = {}
+    for package in packages:
+        for path in _modules(package, root):
+            parts = path.relative_to(root).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = sorted(d for d in deps if d in files and d != name)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_import_circle_in_the_product():
+    """No module of ours imports one that imports it back, directly or around a circle,
+    even lazily inside a function or for type checking only."""
+    assert import_cycles() == []
+
+
+def test_an_import_circle_is_found(tmp_path):
+    (tmp_path / "learner").mkdir()
+    (tmp_path / "learner" / "batch.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from learner.packing import X\n"
+    )
+    (tmp_path / "learner" / "packing.py").write_text("from learner import batch\n")
+    (tmp_path / "learner" / "other.py").write_text("from learner.batch import Y\n")
+    assert import_cycles(tmp_path, ("learner",)) == [["learner.batch", "learner.packing"]]
 
 
 LOOP_PARTS = sorted(p for p in (PROJECT_ROOT / "services" / "loop").glob("*.py"))
