@@ -792,16 +792,6 @@ class RolloutWorker:
         """The engine's current ``policy_version`` (a method: Ray actors expose no properties)."""
         return self.engine.policy_version
 
-    def set_temperature(self, temperature: float) -> None:
-        """Change the sampling temperature of later rollouts (live config change).
-
-        Raises:
-            ValueError: a negative temperature.
-        """
-        if temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        self.temperature = temperature
-
     def stats(self) -> dict[str, RolloutStats]:
         """``{"last": stats of the last rollout, "total": since start}`` (plus the client's)."""
         return {"last": self.last_stats, "total": self.total_stats, "retrieval": self.client.stats}

@@ -83,8 +83,3 @@ class LaggedWeightSync:
             engine_weights_call(e, "load_weights").remote(handle.weights_ref, handle.policy_version)
             for e in engines
         ]
-
-    @property
-    def versions_held(self) -> list[int]:
-        """Versions whose export is kept (ascending)."""
-        return sorted(self._exports)

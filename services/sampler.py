@@ -64,11 +64,6 @@ class QuestionSampler:
         self._names = sorted(self.records)
 
     @classmethod
-    def from_dir(cls, qa_dir: Path, datasets: list[str], split: str, seed: int) -> QuestionSampler:
-        """Load ``datasets``' ``split`` from ``qa_dir``."""
-        return cls({d: read_qa_split(qa_dir, d, split) for d in datasets}, seed=seed)
-
-    @classmethod
     def from_data(
         cls,
         data: DataSection,
