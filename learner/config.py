@@ -16,9 +16,7 @@ from typing import Annotated, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LOG_RATIO_CLAMP = 20.0
-"""Mirror of ``learner.losses.LOG_RATIO_CLAMP`` (the config imports no torch)."""
-
+from learner.constants import DEFAULT_TAU, LOG_RATIO_CLAMP
 
 NULL = "null"
 """How a config file or override says ``None`` (TOML has no null): the string ``"null"`` for
@@ -270,7 +268,7 @@ class _BiasCorrectionFields(StrictModel):
     """RECONSTRUCTED. ``triggered``: s = 1 / max(1, ||C|| / tau). ``divide``: s = 1 / (||C|| +
     delta) whenever some token is clipped, else 1."""
 
-    tau: float = Field(0.01, gt=0.0)
+    tau: float = Field(DEFAULT_TAU, gt=0.0)
     """Threshold on ||C|| (one norm per optimizer step, over all its micro-batches) above
     which the triggered scale starts shrinking the step."""
 

@@ -42,7 +42,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from learner.losses import LOG_RATIO_CLAMP, masked_mean, segment_sum
+from learner.constants import LOG_RATIO_CLAMP
+from learner.losses import masked_mean, segment_sum
 
 CorrectionLevel = Literal["none", "token", "turn", "sequence"]
 SegmentStatistic = Literal["ratio", "geometric_mean"]

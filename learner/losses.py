@@ -49,6 +49,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from learner.constants import DEFAULT_TAU, LOG_RATIO_CLAMP, LOW_VAR_KL_BOUND
+
 RatioLevel = Literal["token", "turn", "sequence"]
 SegmentGradient = Literal["mean", "token"]
 PolicyObjective = Literal["clip", "cispo"]
@@ -56,17 +58,6 @@ TurnAdvantage = Literal["token", "turn_mean"]
 NormalizeMode = Literal["triggered", "divide"]
 LossAggMode = Literal["token-mean", "seq-mean-token-mean"]
 KLEstimator = Literal["k1", "k3", "low_var_kl"]
-
-LOG_RATIO_CLAMP = 20.0
-"""|log ratio| bound applied before ``exp`` (token or turn level), so a very stale token gives
-a ratio of e^20 instead of inf; beyond the bound the ratio carries no gradient."""
-
-LOW_VAR_KL_BOUND = 10.0
-"""``low_var_kl`` is k3 clamped to [-bound, bound] (verl's ``low_var_kl``): one token pushed
-12 nats from the reference gives 10 instead of k3's 1.6e5."""
-
-DEFAULT_TAU = 0.01
-"""Default threshold of the ``triggered`` clipping-bias scale (see :func:`clip_bias_scale`)."""
 
 _RATIO_LEVELS = ("token", "turn", "sequence")
 _SEGMENT_GRADIENTS = ("mean", "token")
