@@ -56,8 +56,8 @@ import numpy as np  # noqa: E402
 
 from retrieval_server.config import RetrievalServerConfig  # noqa: E402
 from retrieval_server.index import load_retriever, rss_gib  # noqa: E402
+from retrieval_server.launcher import RunningServer, start_server, stop_server  # noqa: E402
 from retrieval_server.retrievers import import_bm25s  # noqa: E402
-from retrieval_server.testing import RunningServer, start_server, stop_server  # noqa: E402
 
 QA_SETS = ("single_hop", "multi_hop", "medical_mc")
 _OPTION_LINE = re.compile(r"^[A-D]\. ")

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
     from actors.config import RolloutConfig
     from actors.rollout import RolloutStats, RolloutWorker
     from retrieval_server.config import RetrievalServerConfig
-    from retrieval_server.testing import running_server
+    from retrieval_server.launcher import running_server
 
     cfg = RolloutConfig(
         engine=args.engine,

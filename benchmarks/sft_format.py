@@ -37,7 +37,7 @@ from learner.config import LearnerConfig, PPOConfig, SFTConfig  # noqa: E402
 from learner.sft import build_demonstrations, run_warm_start  # noqa: E402
 from learner.trainer import Learner  # noqa: E402
 from retrieval_server.config import RetrievalServerConfig  # noqa: E402
-from retrieval_server.testing import start_server, stop_server  # noqa: E402
+from retrieval_server.launcher import start_server, stop_server  # noqa: E402
 
 
 def _records(qa_dir: Path, datasets: list[str], split: str, n: int, seed: int) -> list[dict]:

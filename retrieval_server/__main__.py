@@ -70,7 +70,7 @@ def parse_config(args: argparse.Namespace) -> RetrievalServerConfig:
 
 
 PARENT_PID_ENV = "RETRIEVAL_SERVER_PARENT_PID"
-"""Set by :func:`retrieval_server.testing.start_server`: the server stops once that process
+"""Set by :func:`retrieval_server.launcher.start_server`: the server stops once that process
 is gone (it was reparented), so a ``kill -9`` of a driver leaves no server holding its port."""
 
 

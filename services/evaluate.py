@@ -175,7 +175,7 @@ def run_eval(
         ValueError: an unknown mode.
     """
     from actors.rollout import RolloutWorker
-    from retrieval_server.testing import start_server, stop_server
+    from retrieval_server.launcher import start_server, stop_server
     from services.records import append_records, eval_records
     from services.sampler import qa_sets
 

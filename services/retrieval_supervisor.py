@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from retrieval_server.config import RetrievalServerConfig
-    from retrieval_server.testing import RunningServer
+    from retrieval_server.launcher import RunningServer
 
 log = logging.getLogger("stppo.retrieval_supervisor")
 
@@ -113,10 +113,10 @@ class RetrievalSupervisor:
         """Start the server, wait until healthy, start watching; returns its base URL.
 
         Raises:
-            retrieval_server.testing.ServerStartError: the first start failed (not retried:
+            retrieval_server.launcher.ServerStartError: the first start failed (not retried:
                 a server that never came up is a configuration problem).
         """
-        from retrieval_server.testing import start_server
+        from retrieval_server.launcher import start_server
 
         self._server = start_server(self.server_config, self.log_path, self.startup_timeout_s)
         self.server_config = self._server.config  # the concrete port, reused on restarts
@@ -134,7 +134,7 @@ class RetrievalSupervisor:
 
     def stop(self) -> None:
         """Stop watching, then stop the server (SIGTERM, SIGKILL after 10 s)."""
-        from retrieval_server.testing import stop_server
+        from retrieval_server.launcher import stop_server
 
         self._stop.set()
         if self._thread is not None:
@@ -158,7 +158,7 @@ class RetrievalSupervisor:
 
     def _restart(self, exit_code: int) -> bool:
         """Restart after the process exited with ``exit_code``; False once given up."""
-        from retrieval_server.testing import ServerStartError, start_server
+        from retrieval_server.launcher import ServerStartError, start_server
 
         if self.restarts >= self.config.max_restarts:
             self._fail(

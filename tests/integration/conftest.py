@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from fixture_paths import FIXTURE_CORPUS
 
 from retrieval_server.config import RetrievalServerConfig
-from retrieval_server.testing import FIXTURE_CORPUS, RunningServer, start_server, stop_server
+from retrieval_server.launcher import RunningServer, start_server, stop_server
 
 
 def _config(corpus_path: Path, index_dir: Path, **overrides: object) -> RetrievalServerConfig:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fixture_paths import FIXTURE_CORPUS
 
-from retrieval_server.testing import FIXTURE_CORPUS
 from services.config import load_config
 from services.env import PROJECT_ROOT
 

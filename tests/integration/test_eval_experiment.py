@@ -9,9 +9,9 @@ import logging
 from pathlib import Path
 
 import pytest
+from fixture_paths import FIXTURE_CORPUS
 
 from experiments.grid import run_experiment
-from retrieval_server.testing import FIXTURE_CORPUS
 from services.env import PROJECT_ROOT
 from services.plots import read_run
 

@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
+from fixture_paths import FIXTURE_CORPUS
 
 from actors.config import RetrievalClientConfig
 from actors.retrieval_client import RetrievalClient
 from retrieval_server.config import RetrievalServerConfig
-from retrieval_server.testing import FIXTURE_CORPUS, free_port, start_server, stop_server
+from retrieval_server.launcher import free_port, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 

@@ -18,9 +18,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from fixture_paths import FIXTURE_CORPUS
 
 from retrieval_server.config import RetrievalServerConfig
-from retrieval_server.testing import FIXTURE_CORPUS, RunningServer, start_server, stop_server
+from retrieval_server.launcher import RunningServer, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from retrieval_server.testing import RunningServer
+from retrieval_server.launcher import RunningServer
 
 pytestmark = pytest.mark.integration
 

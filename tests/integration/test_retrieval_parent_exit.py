@@ -14,8 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from retrieval_server.testing import FIXTURE_CORPUS
+from fixture_paths import FIXTURE_CORPUS
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +23,7 @@ PARENT = textwrap.dedent(
     import sys, threading, time
     from pathlib import Path
     from retrieval_server.config import RetrievalServerConfig
-    from retrieval_server.testing import start_server
+    from retrieval_server.launcher import start_server
 
     tmp = Path(sys.argv[1])
     config = RetrievalServerConfig(

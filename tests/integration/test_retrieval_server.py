@@ -10,7 +10,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from retrieval_server.testing import RunningServer
+from retrieval_server.launcher import RunningServer
 
 pytestmark = pytest.mark.integration
 
@@ -127,8 +127,10 @@ def test_hybrid_server_end_to_end(retrieval_server_factory: Callable[..., str]) 
 
 
 def test_stop_server_terminates_the_child(tmp_path) -> None:
+    from fixture_paths import FIXTURE_CORPUS
+
     from retrieval_server.config import RetrievalServerConfig
-    from retrieval_server.testing import FIXTURE_CORPUS, start_server, stop_server
+    from retrieval_server.launcher import start_server, stop_server
 
     server: RunningServer = start_server(
         RetrievalServerConfig(corpus_path=FIXTURE_CORPUS, index_dir=tmp_path / "i", port=0),

@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
+from fixture_paths import FIXTURE_CORPUS
 from transformers import AutoTokenizer
 
 from actors.config import RetrievalClientConfig, RolloutConfig
 from actors.engines.scripted import ScriptedEngine
 from actors.rollout import RolloutWorker
 from retrieval_server.config import RetrievalServerConfig
-from retrieval_server.testing import FIXTURE_CORPUS
 from services.retrieval_supervisor import (
     RetrievalServerLost,
     RetrievalSupervisor,

@@ -10,7 +10,7 @@ import pytest
 
 from actors.config import RetrievalClientConfig
 from actors.retrieval_client import RetrievalClient, RetrievalFailed
-from retrieval_server.testing import free_port
+from retrieval_server.launcher import free_port
 
 
 def test_default_retry_window_outlasts_a_server_restart() -> None:

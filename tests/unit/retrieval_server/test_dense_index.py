@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixture_paths import FIXTURE_CORPUS
 from typer.testing import CliRunner
 
 from retrieval_server.config import RetrievalServerConfig
@@ -20,7 +21,6 @@ from retrieval_server.index import (
 )
 from retrieval_server.passages import load_passages
 from retrieval_server.retrievers import encode, faiss_index_type, load_encoder, make_faiss_index
-from retrieval_server.testing import FIXTURE_CORPUS
 
 # known rankings of the fixture corpus (tests/fixtures/retrieval/README.md)
 KNOWN = {"who discovered polonium": "15", "IATA code of the airport serving Nairobi": "19"}

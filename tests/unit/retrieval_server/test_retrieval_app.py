@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from fixture_paths import FIXTURE_CORPUS
 
 from retrieval_server.config import RetrievalServerConfig
 from retrieval_server.passages import load_passages
 from retrieval_server.retrievers import BM25Retriever
 from retrieval_server.server import create_app, validation_reason
-from retrieval_server.testing import FIXTURE_CORPUS
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from fixture_paths import FIXTURE_CORPUS
 
 from retrieval_server.batching import SearchBatcher
 from retrieval_server.passages import load_passages
 from retrieval_server.retrievers import BM25Retriever, SearchHits
-from retrieval_server.testing import FIXTURE_CORPUS
 
 QUERIES = ["capital of Peru", "who discovered polonium", "Narita airport", "asthma", "Lima"]
 

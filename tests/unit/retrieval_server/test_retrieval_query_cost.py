@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixture_paths import FIXTURE_CORPUS
 
 from retrieval_server.passages import load_passages
 from retrieval_server.retrievers import BM25Retriever
-from retrieval_server.testing import FIXTURE_CORPUS
 
 
 class CountingArray(np.ndarray):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixture_paths import FIXTURE_CORPUS
 
 from retrieval_server.config import RetrievalServerConfig
 from retrieval_server.index import IndexMismatchError, build_index, load_retriever
@@ -22,7 +23,6 @@ from retrieval_server.retrievers import (
     load_encoder,
     reciprocal_rank_fusion,
 )
-from retrieval_server.testing import FIXTURE_CORPUS
 
 
 @pytest.fixture(scope="module")
@@ -319,8 +319,8 @@ def test_bm25_keeps_jax_off_the_gpu(tmp_path: Path, chosen: str | None, seen: st
     code = (
         "from retrieval_server.passages import load_passages\n"
         "from retrieval_server.retrievers import BM25Retriever\n"
-        "from retrieval_server.testing import FIXTURE_CORPUS\n"
-        "BM25Retriever.build(load_passages(FIXTURE_CORPUS))\n"
+        "from pathlib import Path\n"
+        f"BM25Retriever.build(load_passages(Path({str(FIXTURE_CORPUS)!r})))\n"
     )
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     assert (tmp_path / "seen.txt").read_text() == seen

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import typer
+from fixture_paths import FIXTURE_CORPUS
 from typer.testing import CliRunner
 
-from retrieval_server.testing import FIXTURE_CORPUS
 from services.cli import app
 
 # RST inline literals and roles, and a repr such as IndexBuildReport(method='bm25', ...) or

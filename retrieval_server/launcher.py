@@ -1,8 +1,6 @@
-"""Start a real retrieval server (uvicorn in a subprocess, loopback, free port) for tests and
-benchmarks, and stop it again.
-
-Used by the ``retrieval_server_url`` / ``retrieval_server_factory`` fixtures in
-``tests/integration/conftest.py``; usable from any test or script::
+"""Start a real retrieval server (uvicorn in a subprocess, loopback, free port) and stop it
+again: the driver's supervisor (:mod:`services.retrieval_supervisor`), ``stppo eval``, the
+tests' ``retrieval_server_url`` / ``retrieval_server_factory`` fixtures and the benchmarks::
 
     with running_server(RetrievalServerConfig(corpus_path=..., index_dir=tmp)) as server:
         httpx.post(server.url + "/retrieve", json={"queries": ["lima"], "topk": 3})
@@ -29,7 +27,6 @@ import httpx
 from retrieval_server.__main__ import PARENT_PID_ENV
 from retrieval_server.config import RetrievalServerConfig
 
-FIXTURE_CORPUS = Path(__file__).resolve().parent.parent / "tests/fixtures/retrieval/passages.jsonl"
 """36 hand-written passages with known rankings (see tests/fixtures/retrieval/README.md)."""
 
 
