@@ -14,10 +14,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from scripted_engine import ScriptedEngine
 from transformers import AutoTokenizer
 
 from actors.config import RolloutConfig
-from actors.engines.scripted import ScriptedEngine
 from actors.hardware import FORCE_ENV
 from actors.rollout import RolloutWorker
 from services.env import PROJECT_ROOT

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 from fixture_paths import FIXTURE_CORPUS
+from scripted_engine import ScriptedEngine
 from transformers import AutoTokenizer
 
 from actors.config import RetrievalClientConfig, RolloutConfig
-from actors.engines.scripted import ScriptedEngine
 from actors.rollout import RolloutWorker
 from retrieval_server.config import RetrievalServerConfig
 from services.retrieval_supervisor import (

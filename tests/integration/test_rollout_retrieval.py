@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from scripted_engine import ScriptedEngine
 from transformers import AutoTokenizer
 
 from actors.config import RetrievalClientConfig, RolloutConfig
-from actors.engines.scripted import ScriptedEngine
 from actors.retrieval_client import RetrievalClient, RetrievalFailed
 from actors.rollout import run_rollout
 

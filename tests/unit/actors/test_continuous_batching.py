@@ -8,6 +8,7 @@ import threading
 
 import pytest
 from rollout_fakes import TableRetriever
+from scripted_engine import ScriptedEngine
 from test_rollout_loop import (
     LIMA,
     TURN0,
@@ -18,7 +19,6 @@ from test_rollout_loop import (
 )
 
 from actors.config import RolloutConfig
-from actors.engines.scripted import ScriptedEngine
 from actors.rollout import ContinuousBatcher, RolloutWorker, run_rollout
 
 TWO_SEARCHES = [TURN0, TURN0, "<answer>Lima</answer>"]  # three turns

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from rollout_fakes import TableRetriever
+from scripted_engine import ScriptedEngine
 
 from actors.baselines import run_single_turn
 from actors.config import RolloutConfig
-from actors.engines.scripted import ScriptedEngine
 from actors.prompts import (
     CLOSED_BOOK_SYSTEM_PROMPT,
     MULTIPLE_CHOICE_SUFFIX,

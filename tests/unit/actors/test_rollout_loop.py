@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 from rollout_fakes import TableRetriever
+from scripted_engine import ScriptedEngine
 
 from actors.config import RolloutConfig
-from actors.engines.scripted import ScriptedEngine
 from actors.prompts import INVALID_SEARCH_MESSAGE, information_ids, prompt_ids
 from actors.retrieval_client import Passage
 from actors.rollout import run_rollout

@@ -13,10 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from rollout_fakes import TableRetriever
+from scripted_engine import ScriptedEngine
 
 from actors.baselines import run_single_turn
 from actors.config import RolloutConfig
-from actors.engines.scripted import ScriptedEngine
 from actors.reward import compute_reward
 from actors.rollout import run_rollout
 from actors.scoring import (

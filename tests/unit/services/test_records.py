@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rollout_fakes import TableRetriever
+from scripted_engine import ScriptedEngine
 
 from actors.config import RolloutConfig
-from actors.engines.scripted import ScriptedEngine
 from actors.retrieval_client import Passage
 from actors.rollout import run_rollout
 from actors.trajectory import TurnSummary

@@ -1,5 +1,6 @@
 """A scripted :class:`~actors.engines.protocol.GenerationEngine`: the cheap implementation
-of the engine seam, for tests of the rollout loop and of the service layer.
+of the engine seam, for tests of the rollout loop and of the service layer (a test helper:
+the product never imports it).
 
 It plays a fixed policy: for the question of a prompt (the text after ``Question: `` in the
 user turn) it writes ``scripts[question][k]`` in its k-th turn, k = environment blocks
