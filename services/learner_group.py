@@ -333,6 +333,12 @@ class LearnerGroup:
 
     def _submit(self, method: str, num_returns: int, args: tuple, kwargs: dict) -> Any:
         self._promote_checkpoint()
+        if method in ("save_checkpoint", "load_checkpoint"):
+            path = args[0] if args else kwargs.get("directory")
+        if len(self.ranks) > 1:
+            # a batch (a list of trajectories) goes into the object store once for every
+            # rank: passed by value, Ray would store one copy per rank's call
+            args = tuple(ray.put(a) if isinstance(a, list) else a for a in args)
         if num_returns != 1:
             first = (
                 self.ranks[0].call.options(num_returns=num_returns).remote(method, *args, **kwargs)
@@ -345,7 +351,6 @@ class LearnerGroup:
             refs, self.last_checkpoint, method
         )
         if method in ("save_checkpoint", "load_checkpoint"):
-            path = args[0] if args else kwargs.get("directory")
             self._pending_checkpoint = (collected, str(path))
         return collected
 

@@ -53,7 +53,9 @@ def ray_cluster() -> Iterator[None]:
         ray.shutdown()
 
 
-def test_group_exports_checkpoints_resumes_and_fails_clearly(ray_cluster, tiny_llama_dir, tmp_path):
+def test_group_exports_checkpoints_resumes_and_fails_clearly(
+    ray_cluster, tiny_llama_dir, tmp_path, monkeypatch
+):
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -75,7 +77,12 @@ def test_group_exports_checkpoints_resumes_and_fails_clearly(ray_cluster, tiny_l
         assert ready_at - forming[0][0] > 1.0, said
         assert [info["rank"] for info in group.rank_info] == [0, 1]
         assert {info["backend"] for info in group.rank_info} == {"gloo"}
-        first = ray.get(group.step.remote(make_batch(3)))
+        real_put, puts = ray.put, []
+        monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value))
+        batch = make_batch(3)
+        first = ray.get(group.step.remote(batch))
+        monkeypatch.setattr(ray, "put", real_put)
+        assert len(puts) == 1 and puts[0] is batch  # one copy in the object store, two ranks
         assert first.policy_version == 1 and first.skipped_steps == 0
 
         # ZeRO-3 export: rank 0's gathered weights load strictly into a fresh HF model
