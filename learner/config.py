@@ -61,7 +61,8 @@ SegmentStatistic = Literal["ratio", "geometric_mean"]
 
 _BEHAVIOR_WEIGHT_MIGRATION = (
     "behavior_weight_cap / behavior_weight_mode / behavior_weight_level were folded into "
-    "algorithm.rollout_correction: cap C with mode 'truncate' -> is_level = 'token' (or "
+    "algorithm.rollout_correction, which needs algorithm.off_policy = 'decoupled' (no longer "
+    "the default: set it, or the run trains the behaviour-ratio objective): cap C with mode 'truncate' -> is_level = 'token' (or "
     "'turn' with is_statistic = 'geometric_mean' for level 'turn'), is_cap = C; mode 'drop' "
     "-> the same plus mask_level = 'token' (or 'turn', mask_statistic = 'geometric_mean'), "
     "mask_high = C"
@@ -117,6 +118,9 @@ class RolloutCorrectionConfig(StrictModel):
         return self
 
 
+_DEFAULT_CORRECTION = RolloutCorrectionConfig()
+
+
 class _AlgorithmBase(StrictModel):
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0)
     """Lower clip range: ratios below ``1 - clip_eps_low`` are clipped when A < 0 (paper: 0.2)."""
@@ -157,9 +161,11 @@ class _AlgorithmBase(StrictModel):
     question of on-policy; in the off-policy arena (staleness 1, 4 and 16, ten seeds per
     cell) none of its 80 runs ended low (docs/results.md, "The off-policy arena")."""
 
-    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+    rollout_correction: RolloutCorrectionConfig | None = None
     """Decoupled objective: the weight of each token for pi_prox / pi_behaviour (TIS, MIS,
-    IcePop; :class:`RolloutCorrectionConfig`)."""
+    IcePop; :class:`RolloutCorrectionConfig`). Unset: the decoupled objective's default,
+    token TIS with cap 2. Setting any of it needs ``off_policy = "decoupled"``: under
+    ``behavior`` it would do nothing, so it is refused at load."""
 
     m2po_threshold: float | None = Field(None, gt=0.0, le=100.0)
     """M2PO (Zheng et al. 2025, arXiv 2510.01161): mask the policy tokens of the batch with
@@ -212,13 +218,20 @@ class _AlgorithmBase(StrictModel):
             )
         return self
 
+    @property
+    def correction(self) -> RolloutCorrectionConfig:
+        """The rollout correction the decoupled objective applies: ``rollout_correction``,
+        or its default (token TIS, cap 2) where unset."""
+        return self.rollout_correction or _DEFAULT_CORRECTION
+
     @model_validator(mode="after")
     def _check_off_policy_options(self) -> _AlgorithmBase:
-        if self.off_policy == "behavior" and self.rollout_correction != RolloutCorrectionConfig():
+        if self.off_policy == "behavior" and self.rollout_correction is not None:
             raise ValueError(
                 "rollout_correction weighs the decoupled objective's tokens by pi_prox / "
                 "pi_behaviour: it needs off_policy = 'decoupled' (with 'behavior' the ratio "
-                "is already taken against the behaviour policy)"
+                "is already taken against the behaviour policy; to switch a run to "
+                "'behavior', also set algorithm.rollout_correction = \"null\")"
             )
         if self.off_policy == "behavior" and self.proximal != "recompute":
             raise ValueError(

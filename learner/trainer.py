@@ -677,7 +677,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
         """The decoupled objective's per-token weights [b, T] for ``batch`` (all of a
         step's rows, or one micro-batch with the log-linear proximal) and their metrics:
         the rollout correction (TIS / MIS / IcePop), then M2PO's mask."""
-        rc = algorithm.rollout_correction
+        rc = algorithm.correction
         out = corrections.rollout_correction(
             proximal_logprobs,
             batch.behavior_logprobs,

@@ -182,6 +182,15 @@ def _model_class(annotation: Any) -> type[BaseModel] | None:
     )
 
 
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The model class of a nested section: ``Model`` or ``Model | None`` (an optional
+    section, documented with its fields like any other)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _model_class(args[0])
+    return _model_class(annotation)
+
+
 def _union_of_models(annotation: Any) -> tuple[type[BaseModel], ...]:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = typing.get_args(annotation)
@@ -195,7 +204,7 @@ def model_fields(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, Fie
     models walked (a nested model itself is not a leaf)."""
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
-        nested = _model_class(field.annotation)
+        nested = _section_class(field.annotation)
         if nested is not None:
             yield from model_fields(nested, f"{path}.")
         else:
@@ -207,7 +216,7 @@ def nested_models(model: type[BaseModel], prefix: str) -> dict[str, tuple[str, t
     ``model``."""
     out: dict[str, tuple[str, type[BaseModel]]] = {}
     for name, field in model.model_fields.items():
-        nested = _model_class(field.annotation)
+        nested = _section_class(field.annotation)
         if nested is not None:
             out[f"{prefix}{name}"] = (field.description or "", nested)
             out.update(nested_models(nested, f"{prefix}{name}."))
@@ -315,7 +324,7 @@ def _model_section(model: type[BaseModel], prefix: str) -> list[str]:
     lines: list[str] = []
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
-        nested = _model_class(field.annotation)
+        nested = _section_class(field.annotation)
         if nested is not None:
             lines += [f"### `{path}`", ""]
             for paragraph in _nested_intro(field.description or "", nested):

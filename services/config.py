@@ -23,6 +23,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from actors.config import RolloutConfig
 from learner.config import (
+    NULL,
     VARIANT_CONFIGS,
     AlgorithmConfig,
     LearnerConfig,
@@ -563,7 +564,7 @@ def update_config(cfg: RunConfig, changes: dict[str, Any], strict: bool = False)
 
     def merge(dst: dict[str, Any], src: dict[str, Any], path: str) -> None:
         for k, v in src.items():
-            if isinstance(dst.get(k), dict):
+            if isinstance(dst.get(k), dict) and v not in (None, NULL):  # an optional section unset
                 if not isinstance(v, dict):
                     raise ConfigError(f"change: {path}{k}: expected an object (a config section)")
                 merge(dst[k], v, f"{path}{k}.")

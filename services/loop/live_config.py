@@ -101,4 +101,9 @@ def restore_live_fields(cfg: RunConfig, saved: dict[str, Any]) -> RunConfig:
             target = target.setdefault(p, {})
         if leaf in node:
             target[leaf] = node[leaf]
+    algorithm = changes.get("algorithm")
+    if isinstance(algorithm, dict) and algorithm.get("off_policy") == "behavior":
+        # a checkpoint of an earlier version dumped the default correction under the
+        # behaviour objective, where it did nothing (it may no longer be set there)
+        algorithm.pop("rollout_correction", None)
     return update_config(cfg, changes)

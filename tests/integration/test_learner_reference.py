@@ -144,7 +144,7 @@ def behavior_weights(old, behavior, batch: TrainingBatch, cfg) -> torch.Tensor:
     weights pi_prox / pi_b over its segment, times 0 where the mask statistic of its
     segment leaves [low, high] or M2PO drops it."""
     weight = torch.ones_like(old)
-    rc = cfg.rollout_correction
+    rc = cfg.correction
     logw = ((old - behavior) * batch.loss_mask).double()
     for i in range(batch.batch_size):
         if rc.is_level != "none":

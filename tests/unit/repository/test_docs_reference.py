@@ -40,8 +40,8 @@ def leaf_paths(model: type[BaseModel], prefix: str = "") -> set[str]:
         if name == "algorithm" and not prefix:
             for cls in VARIANT_CONFIGS.values():
                 out |= leaf_paths(cls, "algorithm.")
-        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            out |= leaf_paths(field.annotation, f"{path}.")
+        elif (section := gen._section_class(field.annotation)) is not None:
+            out |= leaf_paths(section, f"{path}.")  # a section, optional ones too
         else:
             out.add(path)
     return out
@@ -70,8 +70,8 @@ def test_every_field_docstring_is_in_the_config_page():
             continue
         seen.add(model)
         for name, field in model.model_fields.items():
-            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-                models.append(field.annotation)
+            if (section := gen._section_class(field.annotation)) is not None:
+                models.append(section)
             if name == "variant" and model in VARIANT_CONFIGS.values():
                 continue  # "Selects this variant (x)": the page's variant table lists them
             if field.description:

@@ -219,3 +219,39 @@ def test_null_sets_an_optional_number_to_none_and_leaves_strings_alone():
     assert cfg.run.label == "null"
     with pytest.raises(ConfigError, match="is_level"):
         load_config(None, [st, 'algorithm.rollout_correction.is_level="null"'])
+
+
+def test_a_rollout_correction_set_under_the_behaviour_objective_fails_even_at_its_defaults():
+    """The documented migration of the old behaviour-weight options (``is_level = "token"``,
+    ``is_cap = 2.0``: the correction's own defaults) loaded under ``off_policy = "behavior"``
+    and did nothing; an old config that relied on the former ``decoupled`` default changed
+    objective without a word. What the user set is refused, naming the objective it needs."""
+    ppo = 'algorithm.variant="ppo"'
+    for overrides in (
+        [
+            'algorithm.rollout_correction.is_level="token"',
+            "algorithm.rollout_correction.is_cap=2.0",
+        ],
+        ["algorithm.rollout_correction.is_cap=3.0"],
+    ):
+        with pytest.raises(ConfigError, match="off_policy = 'decoupled'"):
+            load_config(None, [ppo, *overrides])
+    decoupled = load_config(
+        None, [ppo, 'algorithm.off_policy="decoupled"', "algorithm.rollout_correction.is_cap=2.0"]
+    )
+    assert decoupled.algorithm.rollout_correction.is_cap == 2.0
+    # a dump re-validated (every live change, a resume) is not mistaken for a setting
+    behavior = load_config(None, [])
+    assert update_config(behavior, {"buffer": {"max_staleness": 2}}).buffer.max_staleness == 2
+    # the decoupled objective's default correction switches to behaviour live; a correction
+    # the user set must be unset in the same change
+    default_decoupled = load_config(None, [ppo, 'algorithm.off_policy="decoupled"'])
+    switched = update_config(default_decoupled, {"algorithm": {"off_policy": "behavior"}})
+    assert switched.algorithm.off_policy == "behavior"
+    with pytest.raises(ConfigError, match="off_policy = 'decoupled'"):
+        update_config(decoupled, {"algorithm": {"off_policy": "behavior"}})
+    for unset in (None, "null"):  # JSON null, or the string a config file or ctl writes
+        switched = update_config(
+            decoupled, {"algorithm": {"off_policy": "behavior", "rollout_correction": unset}}
+        )
+        assert switched.algorithm.rollout_correction is None

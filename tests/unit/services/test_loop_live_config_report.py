@@ -70,6 +70,23 @@ def test_a_resume_pushes_everything_and_restores_the_live_fields():
     assert fleet.interrupts == [(1, restored.rollout.interrupt_every_tokens)]
 
 
+def test_a_checkpoint_of_an_earlier_version_resumes_under_the_behaviour_objective():
+    """Earlier versions dumped the decoupled objective's default correction with every
+    config, ``behavior`` ones too, where it did nothing and may no longer be set."""
+    cli = load_config(None, ['algorithm.variant="ppo"'])
+    saved = cli.model_dump(mode="json")
+    saved["algorithm"]["rollout_correction"] = {"is_level": "token", "is_cap": 2.0}
+    assert saved["algorithm"]["off_policy"] == "behavior"
+    restored = restore_live_fields(cli, saved)
+    assert restored.algorithm.rollout_correction is None
+    # a decoupled run's correction is its own: restored as it was
+    decoupled = update_config(
+        cli, {"algorithm": {"off_policy": "decoupled", "rollout_correction": {"is_cap": 3.0}}}
+    )
+    again = restore_live_fields(cli, decoupled.model_dump(mode="json"))
+    assert again.algorithm.rollout_correction.is_cap == 3.0
+
+
 class Recorder:
     def __init__(self):
         self.lines, self.steps = [], []
