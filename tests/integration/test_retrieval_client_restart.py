@@ -57,21 +57,23 @@ def test_start_server_tries_another_port_when_the_picked_one_is_taken(
 
     import httpx
 
-    from retrieval_server import testing
+    from retrieval_server import launcher
 
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         taken = squatter.getsockname()[1]
         picks = iter([taken])
-        real_free_port = testing.free_port
+        real_free_port = launcher.free_port
         monkeypatch.setattr(
-            testing, "free_port", lambda host="127.0.0.1": next(picks, None) or real_free_port(host)
+            launcher,
+            "free_port",
+            lambda host="127.0.0.1": next(picks, None) or real_free_port(host),
         )
         config = RetrievalServerConfig(
             corpus_path=FIXTURE_CORPUS, index_dir=tmp_path / "index", port=0
         )
-        server = testing.start_server(config, tmp_path / "server.log")
+        server = launcher.start_server(config, tmp_path / "server.log")
         try:
             assert server.config.port != taken
             assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
