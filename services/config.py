@@ -22,6 +22,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from actors.config import RolloutConfig
+from learner.admission import required_capacity
+from learner.buffer import BufferLimits
 from learner.config import (
     NULL,
     VARIANT_CONFIGS,
@@ -441,11 +443,11 @@ class RunConfig(StrictModel):
         # learner.admission: at most (s + 1) * B trajectories may be unconsumed at once
         s, batch = self.buffer.max_staleness, self.learner.train_batch_size
         per_call = self.rollout.prompts_per_batch * self.rollout.group_size
-        if per_call > (s + 1) * batch:
+        if per_call > required_capacity(s, batch):
             raise ValueError(
                 f"one rollout call (rollout.prompts_per_batch * rollout.group_size = {per_call}) "
                 f"exceeds (buffer.max_staleness + 1) * learner.train_batch_size = "
-                f"{(s + 1) * batch}: it could never start within the staleness bound"
+                f"{required_capacity(s, batch)}: it could never start within the staleness bound"
             )
         if self.sync.every_k_steps > s + 1:
             raise ValueError(
@@ -456,10 +458,14 @@ class RunConfig(StrictModel):
         return self
 
     @property
-    def effective_buffer_capacity(self) -> int:
-        """``max(buffer.capacity, (max_staleness + 1) * train_batch_size)``."""
-        required = (self.buffer.max_staleness + 1) * self.learner.train_batch_size
-        return max(self.buffer.capacity, required)
+    def buffer_limits(self) -> BufferLimits:
+        """What the trajectory buffer applies now: the staleness bound and stale policy, and
+        the capacity ``max(buffer.capacity, (max_staleness + 1) * train_batch_size)``
+        (:func:`learner.admission.required_capacity`: admission never leaves more
+        unconsumed)."""
+        b = self.buffer
+        required = required_capacity(b.max_staleness, self.learner.train_batch_size)
+        return BufferLimits(b.max_staleness, max(b.capacity, required), b.stale_policy)
 
     @property
     def run_dir(self) -> Path:

@@ -1,6 +1,7 @@
 """The asynchronous actor-learner loop: ``ray.wait`` -> buffer -> learner step -> weight sync.
 
-One driver process orchestrates N rollout actors, one learner (group) and one buffer actor:
+One driver process orchestrates N rollout actors and one learner (group); the trajectory
+buffer lives in the driver's process:
 
 1. Rollout actors generate trajectories with the weights they last loaded (stamped with
    that ``policy_version``); a rollout is admitted only if all of its output will be

@@ -1,7 +1,7 @@
 """Ray actor wrappers of the plain classes: resources, placement and restarts only.
 
-The classes themselves (``actors.rollout.RolloutWorker``, ``learner.trainer.Learner``,
-``learner.buffer.StalenessBuffer``) know nothing about Ray; they are wrapped here at the
+The classes themselves (``actors.rollout.RolloutWorker``, ``learner.trainer.Learner``)
+know nothing about Ray; they are wrapped here at the
 call site, as in vLLM's RLHF example and Ray's parameter-server example.
 """
 
@@ -132,23 +132,9 @@ def on_driver_node() -> Any:
     """Scheduling strategy that keeps a zero-CPU actor or task on the driver's node.
 
     Zero-CPU work fits on any node, so Ray may put it on a rollout pod; losing that pod would
-    then take the driver's own state with it (found on the local cluster: the buffer placed
-    on a rollout pod died with it and stopped the run). On KubeRay the driver's node is the
+    then take the driver's own state with it (found on the local cluster: the trajectory
+    buffer, then an actor, placed on a rollout pod died with it and stopped the run). On KubeRay the driver's node is the
     head (``num-cpus: "0"``), which the job cannot outlive anyway."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-
-
-def create_buffer_actor(cfg: RunConfig) -> Any:
-    """The staleness-tagged buffer (tiny CPU footprint), on the driver's node."""
-    from learner.buffer import StalenessBuffer
-
-    cls = ray.remote(StalenessBuffer).options(
-        name=f"buffer-{cfg.run.name}", num_cpus=0, scheduling_strategy=on_driver_node()
-    )
-    return cls.remote(
-        capacity=cfg.buffer.capacity,
-        max_staleness=cfg.buffer.max_staleness,
-        stale_policy=cfg.buffer.stale_policy,
-    )

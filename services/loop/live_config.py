@@ -1,9 +1,11 @@
 """One function puts a new config into effect: a live change, or the config a resume restores.
 
-The fields that may change while a job runs (:data:`services.control.LIVE_FIELDS`) live in
-three places besides the driver: the buffer actor (staleness bound, stale policy, capacity),
-the learner (the algorithm and its options, learning rates) and the rollout actors (their
-number, ``rollout.interrupt_every_tokens``). :func:`apply_config` pushes what changed
+The fields that may change while a job runs (:data:`services.control.LIVE_FIELDS`) take
+effect in two places besides the driver: the learner (the algorithm and its options,
+learning rates) and the rollout actors (their number, ``rollout.interrupt_every_tokens``).
+The trajectory buffer reads the staleness bound, stale policy and capacity from the live
+config itself; a lowered bound also purges what is already over it, counted here.
+:func:`apply_config` pushes what changed
 between two configs (everything with ``old = None``: a resume, whose actors were built from
 the command line's config) and returns what it did; the driver counts and logs it. Ray-free:
 the handles' ``.remote`` calls are awaited through ``wait`` (``ray.get`` in a run, a fake in
@@ -25,7 +27,8 @@ class Targets:
     """Where a config takes effect.
 
     Attributes:
-        buffer: the buffer actor handle. learner: the learner group handle.
+        buffer: the driver's :class:`learner.buffer.StalenessBuffer` (``purge_stale``).
+        learner: the learner group handle.
         fleet: :class:`services.loop.fleet.Fleet` (``slots``, ``resize``, ``set_interrupt``).
         wait: waits for a ``.remote`` call's result (``ray.get``).
     """
@@ -63,14 +66,8 @@ def apply_config(
     def changed(get: Callable[[RunConfig], Any]) -> bool:
         return everything or get(old) != get(new)
 
-    if changed(lambda c: c.buffer.max_staleness):
-        wait(buffer.set_max_staleness.remote(new.buffer.max_staleness))
-        if not everything and new.buffer.max_staleness < old.buffer.max_staleness:
-            applied.purged = int(wait(buffer.purge_stale.remote(policy_version)))
-    if changed(lambda c: c.buffer.stale_policy):
-        wait(buffer.set_stale_policy.remote(new.buffer.stale_policy))
-    if changed(lambda c: c.effective_buffer_capacity):
-        wait(buffer.set_capacity.remote(new.effective_buffer_capacity))
+    if not everything and new.buffer.max_staleness < old.buffer.max_staleness:
+        applied.purged = buffer.purge_stale(policy_version)  # it reads the bound from new
     if changed(lambda c: c.algorithm):
         wait(learner.set_algorithm.remote(new.algorithm))
     if changed(lambda c: (c.learner.actor_lr, c.learner.critic_lr)):

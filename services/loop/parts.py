@@ -1,5 +1,5 @@
 """The loop's parts, built once the services run: :func:`build_parts` creates the learner
-group, the buffer and rollout actors and wires the parts of :mod:`services.loop` to them."""
+group and the rollout actors and wires the parts of :mod:`services.loop` to them."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ class Parts:
 
     report: Report
     learner: Any  # services.learner_group.LearnerGroup
-    buffer: Any  # the buffer actor
     sampler: Any  # services.sampler.QuestionSampler (training questions)
     fleet: Fleet
     sync: SyncCoordinator
@@ -56,10 +55,10 @@ def check_rollout_capacity(cfg: RunConfig, control: ControlState) -> None:
 def build_parts(
     config: Callable[[], RunConfig], control: ControlState, services: Services
 ) -> Parts:
-    """Create the learner group, the buffer and ``rollout.num_actors`` rollout actors, and
+    """Create the learner group and ``rollout.num_actors`` rollout actors, and
     the parts around them; every part reads the live config through ``config``."""
     from services.learner_group import create_learner_group
-    from services.ray_actors import create_buffer_actor, create_rollout_actor
+    from services.ray_actors import create_rollout_actor
     from services.sampler import QuestionSampler
     from services.weight_sync import make_weight_sync
 
@@ -68,8 +67,6 @@ def build_parts(
     report.live_config(cfg)
     learner = create_learner_group(cfg, say=s.progress.say)
     s.closers.append(learner.shutdown)
-    buffer = create_buffer_actor(cfg)
-    ray.get(buffer.set_capacity.remote(cfg.effective_buffer_capacity))
     fleet = Fleet(cfg, lambda i: create_rollout_actor(config(), s.retrieval_url, i))
     weight_sync = make_weight_sync(
         cfg.sync.transport, backend="nccl" if cfg.ray.learner_gpus > 0 else "gloo",
@@ -80,17 +77,15 @@ def build_parts(
         config, fleet, learner, weight_sync, s.progress.say, s.metrics.observe_weight_sync
     )
     sampler = QuestionSampler.from_data(cfg.data, "train", cfg.run.seed, side="rl")
-    pipeline = Pipeline(config, fleet, buffer, learner, sampler)
+    pipeline = Pipeline(config, fleet, learner, sampler)
     phases = Phases(config, fleet, sync, learner, s.retrieval_url, report)
     check_rollout_capacity(cfg, control)
     fleet.resize(cfg.rollout.num_actors)
-    report.say(
-        f"{len(fleet.slots)} rollout actor(s), {learner.num_ranks} learner rank(s), 1 buffer on Ray"
-    )
+    report.say(f"{len(fleet.slots)} rollout actor(s), {learner.num_ranks} learner rank(s)")
     report.say("rollout actors on " + ", ".join(fleet.describe()))
     if cfg.rollout.engine_metrics_port is not None:
         urls = ray.get([slot.handle.metrics_url.remote() for slot in fleet.slots])
         for slot, url in zip(fleet.slots, urls, strict=True):
             report.say(f"rollout actor {slot.index} engine metrics: {url or 'none'}")
-    targets = Targets(buffer, learner, fleet, ray.get)
-    return Parts(report, learner, buffer, sampler, fleet, sync, pipeline, phases, targets)
+    targets = Targets(pipeline.buffer, learner, fleet, ray.get)
+    return Parts(report, learner, sampler, fleet, sync, pipeline, phases, targets)

@@ -7,9 +7,16 @@ no rollout is generated to be thrown away, and ``max_staleness = 0`` is synchron
 through the same loop. A learner step starts when ``learner.train_batch_size`` trajectories
 are ready, none older is still in flight (:func:`learner.admission.may_take`) and the
 learner is idle; it takes the oldest ones (stale ones, only after a live lowering of the
-bound, are dropped and counted then). :class:`Pipeline` owns the buffer actor's handle, the
-question sampler's draws for training and the one learner step in flight; the driver counts
-what its methods return.
+bound, are dropped and counted then). :class:`Pipeline` owns the trajectory buffer (in the
+driver's process: a trajectory makes two hops, rollout actor -> driver -> learner ranks, the
+batch put into the object store once for all ranks), the question sampler's draws for
+training and the one learner step in flight; the driver counts what its methods return.
+
+The buffer reads its bound from the live config (:attr:`services.config.RunConfig.buffer_limits`),
+the one copy of ``buffer.max_staleness``: a live change applies at the next call. It is not
+checkpointed, as before when it was an actor on the driver's node: a resume regenerates
+what was buffered or in flight from the sampler's next draws (under a new attempt, so no
+trajectory id repeats) and nothing is trained on twice.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 import ray
 
 from learner.admission import may_admit, may_take
+from learner.buffer import BufferStats, StalenessBuffer, TakeResult
 from services.config import RunConfig
 from services.loop.fleet import Fleet
 
@@ -31,7 +39,7 @@ class StepInFlight:
     """The learner step running: its ref, the batch it took, when it started."""
 
     ref: Any
-    take: Any  # learner.buffer.TakeResult
+    take: TakeResult
     started_s: float
 
 
@@ -41,7 +49,6 @@ class Pipeline:
     Args:
         config: the live run config (a callable: live changes replace it).
         fleet: the rollout slots calls are submitted to.
-        buffer: the buffer actor handle (``services.ray_actors.create_buffer_actor``).
         learner: the learner group handle (``step.remote``).
         sampler: the training questions (:class:`services.sampler.QuestionSampler`).
     """
@@ -50,13 +57,12 @@ class Pipeline:
         self,
         config: Callable[[], RunConfig],
         fleet: Fleet,
-        buffer: Any,
         learner: Any,
         sampler: Any,
     ) -> None:
         self.config = config
         self.fleet = fleet
-        self.buffer = buffer
+        self.buffer = StalenessBuffer(lambda: config().buffer_limits)
         self.learner = learner
         self.sampler = sampler
         self.step: StepInFlight | None = None
@@ -78,7 +84,7 @@ class Pipeline:
         per_call = self._per_call()
         take_version = policy_version + int(self.step is not None)
         # what is already over the bound at the next take will be dropped, not consumed
-        unconsumed = ray.get(self.buffer.ready_counts.remote(take_version))
+        unconsumed = self.buffer.ready_counts(take_version)
         for v, c in self.fleet.in_flight_counts(per_call).items():
             unconsumed[v] = unconsumed.get(v, 0) + c
         admitted = 0
@@ -98,9 +104,9 @@ class Pipeline:
         """Stamp a finished rollout call's trajectory ids (:func:`stamp_ids`) and buffer
         them; returns how many the buffer accepted."""
         stamp_ids(trajectories, first_draw, self.config().rollout.group_size, attempt)
-        return int(ray.get(self.buffer.put.remote(trajectories)))
+        return self.buffer.put(trajectories)
 
-    def start_step(self, policy_version: int) -> Any | None:
+    def start_step(self, policy_version: int) -> TakeResult | None:
         """Take a batch and start a learner step on it if one may start now (the learner is
         idle, enough ready, none older in flight); returns the take
         (:class:`learner.buffer.TakeResult`: its ``dropped_stale`` are for the driver to
@@ -112,11 +118,11 @@ class Pipeline:
         if self.step is not None:
             return None
         n = self.config().learner.train_batch_size
-        ready = ray.get(self.buffer.ready_counts.remote(policy_version))
+        ready = self.buffer.ready_counts(policy_version)
         if not may_take(ready, self.fleet.in_flight_counts(self._per_call()), n):
             return None  # too few ready, or an older rollout still runs (oldest first)
-        take = ray.get(self.buffer.take.remote(n, policy_version))
-        # only this driver touches the buffer, so n ready means take returns n
+        take = self.buffer.take(n, policy_version)
+        # nothing else touches the buffer, so n ready means take returns n
         if len(take.trajectories) != n:
             raise RuntimeError(
                 f"buffer returned {len(take.trajectories)} trajectories, expected {n}"
@@ -150,9 +156,9 @@ class Pipeline:
             )
         return metrics, step
 
-    def buffer_stats(self) -> Any:
-        """:class:`learner.buffer.BufferStats` of the buffer now."""
-        return ray.get(self.buffer.stats.remote())
+    def buffer_stats(self) -> BufferStats:
+        """The buffer's depth and counters now."""
+        return self.buffer.stats()
 
 
 def stamp_ids(trajectories: list[Any], first_draw: int, group_size: int, attempt: int) -> None:

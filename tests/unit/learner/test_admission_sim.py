@@ -15,7 +15,7 @@ import pytest
 
 from actors.trajectory import Trajectory
 from learner.admission import may_admit, may_take, required_capacity
-from learner.buffer import StalenessBuffer
+from learner.buffer import BufferLimits, StalenessBuffer
 
 
 @dataclass
@@ -73,7 +73,8 @@ def simulate(
     Without it a rollout's tokens all carry its admitted version."""
     rng = random.Random(seed)
     changes = dict(changes or {})
-    buf = StalenessBuffer(capacity=10**6, max_staleness=max_staleness)
+    limits = BufferLimits(max_staleness=max_staleness, capacity=10**6)
+    buf = StalenessBuffer(lambda: limits)
     engine = [0] * num_actors
     in_flight: dict[int, tuple[int, int]] = {}  # actor -> (version, count)
     landed: dict[int, int] = {}  # actor -> newest version that landed mid-rollout
@@ -97,7 +98,7 @@ def simulate(
             for key, value in changes.pop(res.steps, {}).items():
                 if key == "max_staleness":
                     max_staleness = value
-                    buf.set_max_staleness(value)
+                    limits = BufferLimits(max_staleness=value, capacity=10**6)
                     res.dropped += buf.purge_stale(version)
                 elif key == "batch":
                     batch = value

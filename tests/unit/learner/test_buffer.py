@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from actors.trajectory import Trajectory
-from learner.buffer import StalenessBuffer, is_too_stale, staleness_of
+from learner.buffer import BufferLimits, StalenessBuffer, is_too_stale, staleness_of
 
 
 def make_traj(
@@ -47,7 +47,7 @@ def test_bound_is_inclusive():
 
 
 def test_take_is_oldest_version_first_and_drops_and_counts_stale():
-    buf = StalenessBuffer(capacity=10, max_staleness=1)
+    buf = StalenessBuffer.fixed(capacity=10, max_staleness=1)
     buf.put([make_traj(v, f"q{i}") for i, v in enumerate([2, 1, 2, 0, 1, 0])])
     # learner at version 2: q3 and q5 (version 0) are over the bound and met first
     res = buf.take(3, learner_version=2)
@@ -61,18 +61,29 @@ def test_take_is_oldest_version_first_and_drops_and_counts_stale():
     assert (s.taken_total, s.dropped_stale_total, s.depth) == (4, 2, 0)
 
 
+class LiveLimits:
+    """The run's live config as the buffer sees it: one value, changed in place."""
+
+    def __init__(self, **kwargs) -> None:
+        self.now = BufferLimits(**kwargs)
+
+    def __call__(self) -> BufferLimits:
+        return self.now
+
+
 def test_ready_counts_by_version_exclude_stale_and_failed():
-    buf = StalenessBuffer(capacity=10, max_staleness=1)
+    limits = LiveLimits(capacity=10, max_staleness=1)
+    buf = StalenessBuffer(limits)
     buf.put([make_traj(0), make_traj(1), make_traj(1), make_traj(2, failed=True), make_traj(2)])
     assert buf.ready_counts(2) == {1: 2, 2: 1}
     assert buf.stats().depth == 5  # no side effects
-    buf.set_capacity(3)  # never drops what is held
+    limits.now = BufferLimits(capacity=3, max_staleness=1)  # never drops what is held
     assert buf.free_slots() == 0 and buf.put([make_traj(2)]) == 0
     assert buf.stats().depth == 5
 
 
 def test_keep_policy_consumes_and_records_staleness():
-    buf = StalenessBuffer(capacity=10, max_staleness=0, stale_policy="keep")
+    buf = StalenessBuffer.fixed(capacity=10, max_staleness=0, stale_policy="keep")
     buf.put([make_traj(0, "a"), make_traj(3, "b")])
     res = buf.take(5, learner_version=3)
     assert [t.question_id for t in res.trajectories] == ["a", "b"]
@@ -81,7 +92,7 @@ def test_keep_policy_consumes_and_records_staleness():
 
 
 def test_max_staleness_zero_is_on_policy():
-    buf = StalenessBuffer(capacity=10, max_staleness=0)
+    buf = StalenessBuffer.fixed(capacity=10, max_staleness=0)
     buf.put([make_traj(4, "old"), make_traj(5, "new")])
     assert buf.num_ready(5) == 1
     res = buf.take(2, learner_version=5)
@@ -90,7 +101,7 @@ def test_max_staleness_zero_is_on_policy():
 
 
 def test_retrieval_failed_trajectories_are_never_trained_on():
-    buf = StalenessBuffer(capacity=10, max_staleness=5)
+    buf = StalenessBuffer.fixed(capacity=10, max_staleness=5)
     buf.put([make_traj(0, "bad", failed=True), make_traj(0, "ok")])
     assert buf.num_ready(0) == 1
     res = buf.take(2, learner_version=0)
@@ -100,7 +111,7 @@ def test_retrieval_failed_trajectories_are_never_trained_on():
 
 
 def test_capacity_backpressure_rejects_and_counts_overflow():
-    buf = StalenessBuffer(capacity=3, max_staleness=1)
+    buf = StalenessBuffer.fixed(capacity=3, max_staleness=1)
     assert buf.put([make_traj(0, f"q{i}") for i in range(5)]) == 3
     assert buf.free_slots() == 0
     s = buf.stats()
@@ -108,40 +119,44 @@ def test_capacity_backpressure_rejects_and_counts_overflow():
 
 
 def test_live_bound_change_applies_to_next_take():
-    buf = StalenessBuffer(capacity=10, max_staleness=0)
+    """The buffer keeps no copy of the bound: a change of the live value applies at once."""
+    limits = LiveLimits(capacity=10, max_staleness=0)
+    buf = StalenessBuffer(limits)
     buf.put([make_traj(1, "a")])
-    buf.set_max_staleness(2)
+    assert buf.ready_counts(3) == {}
+    limits.now = BufferLimits(capacity=10, max_staleness=2)
+    assert buf.ready_counts(3) == {1: 1} and buf.stats().max_staleness == 2
     assert [t.question_id for t in buf.take(1, learner_version=3).trajectories] == ["a"]
     with pytest.raises(ValueError, match="max_staleness must be >= 0"):
-        buf.set_max_staleness(-1)
+        BufferLimits(capacity=10, max_staleness=-1)
+    with pytest.raises(ValueError, match="stale_policy must be 'drop' or 'keep'"):
+        StalenessBuffer.fixed(capacity=10, max_staleness=1, stale_policy="maybe")
 
 
 def test_purge_stale_counts():
-    buf = StalenessBuffer(capacity=10, max_staleness=1)
+    buf = StalenessBuffer.fixed(capacity=10, max_staleness=1)
     buf.put([make_traj(0, "a"), make_traj(2, "b")])
     assert buf.purge_stale(learner_version=3) == 1
     assert buf.stats().dropped_stale_total == 1
 
 
 def test_capacity_bounds_stats_and_clear():
-    buf = StalenessBuffer(capacity=4, max_staleness=1)
-    buf.set_capacity(1)  # the smallest legal capacity
+    buf = StalenessBuffer.fixed(capacity=1, max_staleness=1)  # the smallest legal capacity
     assert buf.stats().capacity == 1 and buf.free_slots() == 1
     assert buf.stats().max_staleness == 1
     with pytest.raises(ValueError, match=r"^capacity must be >= 1, got 0$"):
-        buf.set_capacity(0)
-    assert buf.stats().capacity == 1  # a refused change changes nothing
+        BufferLimits(capacity=0, max_staleness=1)
     assert buf.put([make_traj(0), make_traj(0)]) == 1
     assert buf.stats().rejected_full_total == 1
     assert buf.clear() == 1 and buf.stats().depth == 0 and buf.clear() == 0
 
 
 def test_purge_stale_counts_across_calls_and_keep_drops_nothing():
-    keep = StalenessBuffer(capacity=10, max_staleness=0, stale_policy="keep")
+    keep = StalenessBuffer.fixed(capacity=10, max_staleness=0, stale_policy="keep")
     keep.put([make_traj(0), make_traj(0)])
     assert keep.purge_stale(5) == 0 and keep.stats().depth == 2
     assert keep.stats().dropped_stale_total == 0
-    drop = StalenessBuffer(capacity=10, max_staleness=1)
+    drop = StalenessBuffer.fixed(capacity=10, max_staleness=1)
     drop.put([make_traj(0), make_traj(2)])
     assert drop.purge_stale(2) == 1
     drop.put([make_traj(3)])

@@ -134,7 +134,7 @@ def test_staleness_is_the_oldest_tokens_and_per_token_histogram():
     assert t.token_staleness(5).tolist() == [2, 2, 1, 1, 1]
     assert t.version_counts() == {3: 2, 4: 3}
     assert token_staleness_counts([t, t], 5) == {1: 6, 2: 4}
-    buf = StalenessBuffer(capacity=4, max_staleness=1)
+    buf = StalenessBuffer.fixed(capacity=4, max_staleness=1)
     buf.put([t])
     # at learner version 5 the oldest token is 2 updates old: over the bound of 1, dropped
     # although most of its tokens are within it

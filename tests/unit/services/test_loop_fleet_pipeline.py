@@ -1,16 +1,18 @@
 """The rollout fleet and the pipeline (services.loop.fleet, services.loop.pipeline) with fake
-actors: admission keeps the staleness bound, a step starts only when it may, crashes are
-judged, busy time is counted once."""
+actors and the real in-process buffer: admission keeps the staleness bound, a step starts
+only when it may, nothing is taken twice, crashes are judged, busy time is counted once."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
+from learner_factories import make_trajectory
 
 pytest.importorskip("ray")
 
-from services.config import load_config
+from services.config import load_config, update_config
 from services.loop import fleet as fleet_module
 from services.loop import pipeline as pipeline_module
 from services.loop.fleet import Fleet, RolloutActorLost
@@ -51,30 +53,11 @@ def config(**overrides):
     return load_config(None, ["rollout.prompts_per_batch=2", "rollout.group_size=2", *pairs])
 
 
-class Buffer:
-    """The buffer actor's calls: ready counts per version, takes, puts."""
-
-    def __init__(self, results: Results) -> None:
-        self.results, self.ready, self.put_calls = results, {}, []
-        for name in ("ready_counts", "take", "put", "stats"):
-            setattr(self, name, SimpleNamespace(remote=getattr(self, f"_{name}")))
-
-    def _ready_counts(self, version):
-        self.results["ready"] = dict(self.ready)
-        return "ready"
-
-    def _take(self, n, version):
-        traj = [SimpleNamespace(without_transcript=lambda: "t") for _ in range(n)]
-        self.results["take"] = SimpleNamespace(trajectories=traj, dropped_stale=0)
-        return "take"
-
-    def _put(self, trajectories):
-        self.put_calls.append(trajectories)
-        self.results["put"] = len(trajectories)
-        return "put"
-
-    def _stats(self):
-        return None
+def at_version(version: int, n: int) -> list:
+    """``n`` valid trajectories generated at ``version``."""
+    t = make_trajectory([1, 2], [3, 4], [1, 1])
+    return [dataclasses.replace(t, policy_version_min=version, policy_version_max=version,
+                                extra={}) for _ in range(n)]  # fmt: skip
 
 
 def test_admission_keeps_the_bound_and_submits_to_the_least_recently_started(results):
@@ -92,8 +75,7 @@ def test_admission_keeps_the_bound_and_submits_to_the_least_recently_started(res
         return [{"question": f"q{sampler.num_drawn - n + i}"} for i in range(n)]
 
     sampler.sample = sample
-    buffer = Buffer(results)
-    pipeline = Pipeline(lambda: cfg, fleet, buffer, learner=None, sampler=sampler)
+    pipeline = Pipeline(lambda: cfg, fleet, learner=None, sampler=sampler)
     # staleness 0, batch 4, 4 trajectories per call: one call at version 0 fills the batch
     assert pipeline.admit(policy_version=0) == 4
     assert [len(a.calls) for a in (s.handle for s in fleet.slots)] == [1, 0]
@@ -102,7 +84,7 @@ def test_admission_keeps_the_bound_and_submits_to_the_least_recently_started(res
     assert fleet.in_flight_counts(4) == {0: 4}
     # the call finishes: its trajectories are stamped and buffered, the slot is free
     slot, call = fleet.owner("ref-0-1")
-    results["ref-0-1"] = [SimpleNamespace(extra={}) for _ in range(4)]
+    results["ref-0-1"] = at_version(0, 4)
     trajectories = fleet.finish(slot, call)
     assert pipeline.accept(trajectories, call.first_draw, attempt=2) == 4
     assert [t.extra["trajectory_id"] for t in trajectories] == [
@@ -110,17 +92,19 @@ def test_admission_keeps_the_bound_and_submits_to_the_least_recently_started(res
     ]  # fmt: skip
     window = fleet.take_window()
     assert window.calls_running_max == 1 and len(window.durations_s) == 1
+    # buffered counts as unconsumed: still no second call at staleness 0
+    assert pipeline.buffer_stats().depth == 4 and pipeline.admit(policy_version=0) == 0
 
 
 def test_a_step_starts_only_with_a_full_batch_and_nothing_older_in_flight(results):
     cfg = config(**{"learner.train_batch_size": 4})
     fleet = Fleet(cfg, Actor)
-    buffer = Buffer(results)
-    learner = SimpleNamespace(step=SimpleNamespace(remote=lambda trajectories: "step-ref"))
-    pipeline = Pipeline(lambda: cfg, fleet, buffer, learner, sampler=None)
-    buffer.ready = {0: 3}
-    assert pipeline.start_step(0) is None  # too few
-    buffer.ready = {1: 4}
+    sent: list = []
+    learner = SimpleNamespace(step=SimpleNamespace(remote=lambda t: sent.append(t) or "step-ref"))
+    pipeline = Pipeline(lambda: cfg, fleet, learner, sampler=None)
+    pipeline.buffer.put(at_version(1, 3))
+    assert pipeline.start_step(1) is None  # too few
+    pipeline.buffer.put(at_version(1, 2))
     fleet.resize(1)
     fleet.slots[0].engine_version = 0
     fleet.submit(fleet.slots[0], [{"question": "q"}], 0)  # an older call (version 0) runs
@@ -128,7 +112,10 @@ def test_a_step_starts_only_with_a_full_batch_and_nothing_older_in_flight(result
     fleet.abandon_running()
     take = pipeline.start_step(1)
     assert take is not None and pipeline.refs() == ["step-ref"] and pipeline.owns("step-ref")
+    assert len(sent) == 1 and len(sent[0]) == 4 and take.staleness == [0] * 4
     assert pipeline.start_step(1) is None  # one step at a time
+    stats = pipeline.buffer_stats()
+    assert (stats.depth, stats.taken_total, stats.put_total) == (1, 4, 5)  # taken once
     results["step-ref"] = SimpleNamespace(
         to_dict=lambda: {"policy_version": 2, "variant": "st_ppo"}
     )
@@ -167,3 +154,27 @@ def test_stamp_ids_are_unique_across_attempts():
         "a1-d7-g0",
         "a1-d7-g1",
     ]
+
+
+def test_the_buffer_reads_the_live_bound_and_accounts_for_every_trajectory(results):
+    """The one copy of ``buffer.max_staleness`` is the live config: a change applies at the
+    next call with nothing pushed. Every accepted trajectory is taken once, dropped and
+    counted, or still held (what the buffer actor guaranteed, now in the driver's process)."""
+    live = {"cfg": config(**{"learner.train_batch_size": 4, "buffer.max_staleness": 2})}
+    fleet = Fleet(live["cfg"], Actor)
+    learner = SimpleNamespace(step=SimpleNamespace(remote=lambda t: "step-ref"))
+    pipeline = Pipeline(lambda: live["cfg"], fleet, learner, sampler=None)
+    batches = [at_version(v, 4) for v in (0, 1, 2)]
+    for k, batch in enumerate(batches):
+        assert pipeline.accept(batch, first_draw=2 * k, attempt=1) == 4
+    assert pipeline.buffer.ready_counts(2) == {0: 4, 1: 4, 2: 4}
+    assert pipeline.buffer_stats().capacity == 64  # max(64, (2 + 1) * 4)
+    live["cfg"] = update_config(live["cfg"], {"buffer": {"max_staleness": 1, "capacity": 1}})
+    assert pipeline.buffer.ready_counts(2) == {1: 4, 2: 4}  # version 0 is over the new bound
+    assert pipeline.buffer_stats().capacity == 8  # (1 + 1) * 4: admission's need
+    take = pipeline.start_step(2)
+    assert take.dropped_stale == 4 and {t.policy_version_min for t in take.trajectories} == {1}
+    ids = [t.extra["trajectory_id"] for batch in batches for t in batch]
+    assert len(set(ids)) == 12
+    s = pipeline.buffer_stats()
+    assert s.put_total == s.taken_total + s.dropped_stale_total + s.depth == 12
