@@ -14,7 +14,7 @@ Code paths (``--paths``), switched on the same learner in the same process:
 - ``chunked``: log-probs and entropy through the LM head in chunks, policy tokens only
   (``logprob_chunk_tokens = 512``, :mod:`learner.logprobs`), micro-batches as ``old``;
 - ``new``: ``chunked`` and micro-batches by a token budget of 1,024 padded slots
-  (``micro_batch_tokens``, :func:`learner.batch.token_budget_micro_batches`);
+  (``micro_batch_tokens``, :func:`learner.micro_batches.token_budget_micro_batches`);
 - ``packed``: ``new`` with every forward on the micro-batch's trajectories packed without
   padding (``pack_sequences``, :mod:`learner.packing`), the budget counting real tokens;
 - ``compiled``: ``packed`` with each decoder layer's attention, MLP and norms compiled by
@@ -29,7 +29,7 @@ Every path other than the learner's own config gets one warm-up step before the 
 
 ``--micro-tokens`` sets the budget of ``new`` and ``packed``; -1 sizes it from the memory
 free after the models are loaded (``micro_batch_tokens = -1``,
-:func:`learner.batch.memory_token_budget`), settled after the first step from what it
+:func:`learner.micro_batches.memory_token_budget`), settled after the first step from what it
 measured; ``--gpu-memory-fraction`` keeps it within a share of the GPU, ``--gpu-memory-gib``
 within so many GiB (steps compared at a memory ceiling: issue 46 started from 66.7 GiB).
 
@@ -131,9 +131,10 @@ from learner.config import (  # noqa: E402
     uses_bias_correction,
     uses_critic,
 )
+from learner.engines import use_fused_adamw  # noqa: E402
 from learner.host_syncs import count_syncs  # noqa: E402
 from learner.modeling import response_logits, token_logprobs  # noqa: E402
-from learner.trainer import Learner, use_fused_adamw  # noqa: E402
+from learner.trainer import Learner  # noqa: E402
 
 VARIANTS = {name: cls() for name, cls in VARIANT_CONFIGS.items()}
 VARIANTS["st_ppo/param"] = STPPOConfig(bias_norm="param")
@@ -645,7 +646,7 @@ def main() -> None:
         f"parameters, fused AdamW {use_fused_adamw(learner.config)}, varlen attention "
         f"{'FlashAttention kernel' if varlen_on_kernel else 'per-trajectory SDPA'}, "
         f"memory token budget "
-        f"{learner.auto_micro_batch_tokens}",
+        f"{learner.micro_batches.auto_micro_batch_tokens}",
         flush=True,
     )
 
@@ -696,7 +697,7 @@ def main() -> None:
     peaks: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
     gpu_peaks: dict[tuple[str, str], list[float]] = {(n, p): [] for n in names for p in paths}
     last: dict[tuple[str, str], dict] = {}
-    probe = learner.memory_probe
+    probe = learner.micro_batches.memory_probe
     measured = (
         f" (measured: states {probe.state_bytes / 2**30:.1f} GiB, optimizer step peak "
         f"{probe.optimizer_peak_bytes / 2**30:.1f} GiB, "
@@ -706,7 +707,7 @@ def main() -> None:
     )
     print(
         f"  warm-up step done, RSS {_rss_gib():.2f} GiB, memory token budget "
-        f"{learner.auto_micro_batch_tokens}{measured}",
+        f"{learner.micro_batches.auto_micro_batch_tokens}{measured}",
         flush=True,
     )
     bench_start = time.perf_counter()
@@ -818,8 +819,8 @@ def main() -> None:
         },
         "threads": torch.get_num_threads(),
         "memory_probe": {
-            **dataclasses.asdict(learner.memory_probe),
-            "bytes_per_token": learner.memory_probe.bytes_per_token,
+            **dataclasses.asdict(learner.micro_batches.memory_probe),
+            "bytes_per_token": learner.micro_batches.memory_probe.bytes_per_token,
         },
         "matmul": {
             "shape": [4096, model_config.hidden_size, model_config.intermediate_size],
@@ -841,7 +842,7 @@ def main() -> None:
         "parameters": num_parameters,
         "fused_adamw": use_fused_adamw(learner.config),
         "varlen_kernel": varlen_on_kernel,
-        "auto_micro_batch_tokens": learner.auto_micro_batch_tokens,
+        "auto_micro_batch_tokens": learner.micro_batches.auto_micro_batch_tokens,
         "rows": rows,
         "profile": profiles or None,
     }

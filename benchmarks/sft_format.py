@@ -30,11 +30,12 @@ from services.env import configure_local_caches
 configure_local_caches()
 
 from actors.config import RolloutConfig  # noqa: E402
+from actors.demonstrations import build_demonstrations  # noqa: E402
 from actors.engines.hf import HFEngine  # noqa: E402
 from actors.retrieval_client import RetrievalClient  # noqa: E402
 from actors.rollout import RolloutWorker  # noqa: E402
 from learner.config import LearnerConfig, PPOConfig, SFTConfig  # noqa: E402
-from learner.sft import build_demonstrations, run_warm_start  # noqa: E402
+from learner.sft import run_warm_start  # noqa: E402
 from learner.trainer import Learner  # noqa: E402
 from retrieval_server.config import RetrievalServerConfig  # noqa: E402
 from retrieval_server.launcher import start_server, stop_server  # noqa: E402

@@ -17,9 +17,16 @@ decorator: mutation testing, ``make mutation``, skips decorated functions).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from learner.losses import kl_penalty
+
+if TYPE_CHECKING:
+    from learner.batch import TrainingBatch
+    from learner.objective import Objective
 
 
 @dataclass
@@ -242,3 +249,49 @@ def turn_ids_from_mask(loss_mask: Tensor) -> Tensor:
         starts = on & ~previous
         turn = starts.long().cumsum(dim=1) - 1
         return torch.where(on, turn, torch.full_like(turn, -1))
+
+
+def compute_advantages(batch: TrainingBatch, objective: Objective) -> None:
+    """Token rewards and advantages (and returns for critic variants) of ``batch``, in place.
+
+    The outcome reward sits on each trajectory's last policy token; with ``kl_mode =
+    in_reward`` the KL to the reference (against the proximal log-probs, or the behaviour
+    ones where the log-linear proximal has none yet) is subtracted per token (critic
+    variants) or summed over the trajectory (group variants). Then GAE over the critic's
+    old values, optionally whitened (spec section 2; Schulman et al. 2016), or
+    group-relative advantages broadcast to the policy tokens (GRPO, Shao et al. 2024).
+
+    Sets ``batch.advantages`` [B, T] (and ``batch.returns`` [B, T] with a critic), float32.
+    Needs ``batch.ref_logprobs`` and, with a critic, ``batch.old_values``.
+    """
+    mask = batch.loss_mask
+    kl = torch.zeros_like(mask)
+    if objective.kl_mode == "in_reward" and objective.kl_coef > 0.0:
+        # the log-linear proximal has no log-probs here: the behaviour policy's stand in
+        old = (
+            batch.behavior_logprobs if batch.proximal_logprobs is None else batch.proximal_logprobs
+        )
+        kl = kl_penalty(old, batch.ref_logprobs, objective.kl_estimator)
+        kl = kl * mask
+    critic, group = objective.critic, objective.group
+    if critic is not None:
+        token_rewards = torch.zeros_like(mask)
+        rows = torch.arange(batch.batch_size)
+        token_rewards[rows, batch.last_policy_index] = batch.rewards
+        token_rewards = token_rewards - objective.kl_coef * kl
+        gae = compute_gae(token_rewards, batch.old_values, mask, gamma=critic.gamma, lam=critic.lam)
+        advantages = gae.advantages
+        if critic.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        batch.advantages, batch.returns = advantages.float(), gae.returns.float()
+        return
+    assert group is not None
+    # group-relative: KL-in-reward lowers the scalar reward by the trajectory's total KL
+    rewards = batch.rewards - objective.kl_coef * kl.sum(dim=1)
+    per_sequence = group_relative_advantages(
+        rewards,
+        batch.group_ids,
+        std_normalize=group.std_normalize,
+        eps=group.eps,
+    )
+    batch.advantages = broadcast_sequence_advantages(per_sequence, mask).float()

@@ -25,6 +25,7 @@ Padding values: ``loss_mask`` 0, ``turn_ids`` -1, ``behavior_logprobs`` 0.0,
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -94,10 +95,12 @@ class TrainingBatch:
         policy_version_min: int64 [B]. Oldest weight version behind each trajectory.
         token_versions: int64 [B, T]. Version that sampled each policy token, -1 elsewhere
             (environment, pad); see :meth:`actors.trajectory.Trajectory.policy_token_versions`.
-        old_logprobs, ref_logprobs, old_values, advantages, returns: float32 [B, T] or
-            None; filled by the learner before the optimisation epochs. ``old_logprobs``
-            is the policy the clipped ratio is taken against (behaviour, or proximal for
-            decoupled PPO).
+        proximal_logprobs, ref_logprobs, old_values, advantages, returns: float32 [B, T] or
+            None; filled by the learner before the optimisation epochs.
+            ``proximal_logprobs`` are the policy the clipped ratio is taken against: the
+            proximal policy of decoupled PPO (recomputed; None with the log-linear proximal,
+            which is approximated per micro-batch), or under ``off_policy = behavior`` the
+            behaviour policy, which is the proximal one there.
         behavior_weights: float32 [B, T] or None; decoupled PPO's truncated
             pi_prox / pi_behaviour (:func:`learner.losses.behavior_importance_weights`).
         policy_positions: ``(rows, columns)`` of the policy tokens, int64 [N] each, or None;
@@ -126,7 +129,7 @@ class TrainingBatch:
     group_ids: Tensor
     policy_version_min: Tensor
     token_versions: Tensor | None = None
-    old_logprobs: Tensor | None = None
+    proximal_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     old_values: Tensor | None = None
     advantages: Tensor | None = None
@@ -315,227 +318,45 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) 
     )
 
 
-def token_budget_micro_batches(
-    rows: Sequence[int],
-    prompt_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    budget: int,
-    *,
-    packed: bool = False,
-) -> list[list[int]]:
-    """Cut ``rows`` into micro-batches whose padded size stays within ``budget`` tokens.
-
-    A micro-batch of rows R, collated by :meth:`TrainingBatch.select`, holds
-    ``len(R) * (max prompt + max response)`` token slots, padding included; packed
-    (``packed``, :mod:`learner.packing`) it is counted as its real tokens, the sum of the
-    rows' prompt + response (what a packed forward computes, up to its rows' tails). Rows go
-    longest first (ties: earlier row first) into the current micro-batch while its padded
-    size stays within ``budget``, else they start a new one; a row longer than ``budget``
-    is a micro-batch of its own. Rows of similar length end up together, so little padding
-    is computed, and a lone row has none (its attention is plain causal). Deterministic.
-
-    Args:
-        rows: row indices of a batch.
-        prompt_lengths, response_lengths: real prompt / response tokens of each row of that
-            batch (indexed by row index, e.g. ``TrainingBatch.prompt_lengths``).
-        budget: token slots per micro-batch (>= 1).
-        packed: count real tokens instead of padded slots.
-
-    Returns:
-        Micro-batches of row indices; together they hold every row once.
-
-    Raises:
-        ValueError: ``budget < 1``.
-
-    Example: rows of 10 + 90, 10 + 80 and 10 + 20 tokens, budget 200: [[0, 1], [2]]
-    (2 * (10 + 90) = 200 fits; adding row 2 would make 3 * 100 = 300).
-    """
-    if budget < 1:
-        raise ValueError(f"budget must be >= 1, got {budget}")
-    position = {row: i for i, row in enumerate(rows)}
-    order = sorted(
-        rows, key=lambda r: (-(int(prompt_lengths[r]) + int(response_lengths[r])), position[r])
-    )
-    groups: list[list[int]] = []
-    max_prompt = max_response = real = 0
-    for row in order:
-        prompt, response = int(prompt_lengths[row]), int(response_lengths[row])
-        if groups:
-            width = max(max_prompt, prompt) + max(max_response, response)
-            size = real + prompt + response if packed else (len(groups[-1]) + 1) * width
-            if size <= budget:
-                groups[-1].append(row)
-                max_prompt, max_response = max(max_prompt, prompt), max(max_response, response)
-                real += prompt + response
-                continue
-        groups.append([row])
-        max_prompt, max_response, real = prompt, response, prompt + response
-    return groups
-
-
-CPU_AUTO_TOKEN_BUDGET = 4096
-"""``micro_batch_tokens = -1`` on a CPU: memory is seldom what limits a CPU micro-batch."""
-
-
-def activation_bytes_per_token(model_config, *, gradient_checkpointing: bool) -> int:
-    """Estimated activation memory kept for backward per token of a forward, in bytes.
-
-    Per decoder layer and token, a bf16 transformer with a memory-efficient attention kernel
-    (no L x L scores kept) keeps about ``2 * (6 H + 4 I)`` bytes: the inputs of the four
-    attention projections and of the three SwiGLU projections, the normalised inputs and the
-    gate product (after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-    Transformer Models", eq. 2 with its s^2 term gone and a SwiGLU MLP of width I). With
-    gradient checkpointing every layer keeps its input and residual (4 H bytes) and the
-    layer being recomputed its whole set, counted twice (its backward's temporaries): 0.55
-    MB per token at the 3B shape, where an H200 measured 0.56 MB.
-
-    Args:
-        model_config: an HF config with ``hidden_size`` (H), ``intermediate_size`` (I) and
-            ``num_hidden_layers``.
-        gradient_checkpointing: whether activations are recomputed in backward.
-
-    Returns:
-        Bytes per token (an estimate: the measured peak is what benchmarks report).
-    """
-    hidden, inter = int(model_config.hidden_size), int(model_config.intermediate_size)
-    layers = int(model_config.num_hidden_layers)
-    per_layer = 2 * (6 * hidden + 4 * inter)
-    if gradient_checkpointing:
-        return layers * 4 * hidden + 2 * per_layer
-    return layers * per_layer
-
-
-OPTIMIZER_BYTES_PER_PARAMETER = 12
-"""Memory a trainable parameter still claims after the engines are built and before the
-first optimizer step: AdamW's two float32 moments (8 bytes, allocated at the first step)
-and the float32 gradient partition DeepSpeed's step makes (4 bytes)."""
-
-
-def memory_token_budget(
-    free_bytes: int,
-    model_config,
-    *,
-    gradient_checkpointing: bool,
-    pending_bytes: int = 0,
-    fraction: float = 0.6,
-) -> int:
-    """Micro-batch token budget that keeps a forward's activations within ``fraction`` of
-    the memory still free once the optimizer states exist:
-    ``fraction * (free_bytes - pending_bytes) / activation_bytes_per_token``, at least 256.
-
-    Args:
-        free_bytes: device memory free now (after the engines are built).
-        pending_bytes: memory the training will still claim before its first forward ends
-            (the optimizer states: :data:`OPTIMIZER_BYTES_PER_PARAMETER` per trainable
-            parameter).
-        model_config, gradient_checkpointing: as in :func:`activation_bytes_per_token`.
-        fraction: share of the free memory for activations (the rest: the LM head's
-            float32 chunks, allocator slack, the optimizer step's temporaries).
-
-    Raises:
-        ValueError: ``fraction`` outside (0, 1].
-    """
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    per_token = activation_bytes_per_token(
-        model_config, gradient_checkpointing=gradient_checkpointing
-    )
-    return max(256, int(fraction * max(0, free_bytes - pending_bytes) / per_token))
+class EmptyBatchError(ValueError):
+    """No trajectory of a step is trainable (all excluded); the message says why."""
 
 
 @dataclass
-class MemoryProbe:
-    """What the first learner step held on the device, measured, to size the
-    ``micro_batch_tokens = -1`` budget after it (``Learner._settle_token_budget``).
+class Selection:
+    """The trajectories a step trains on and how many it excluded, by reason."""
 
-    The estimate of :func:`activation_bytes_per_token` leaves out what a forward and backward
-    hold besides the layers' activations (the LM head's float32 chunks, the attention mask
-    of packed rows, DeepSpeed's gradient buckets); at the 3B shape on an H200 a budget sized
-    from it ran out of memory where 8,192 tokens had fitted. The probe replaces the estimate
-    by what one step measured.
-
-    The first micro-batch of a mini-batch also allocates the gradients its backward
-    produces (a model's size in its gradient dtype: 3.4 GB at 1.7B in bf16), which spread
-    over its tokens read as activation bytes; from the second on the gradients are held
-    before the forward (``start``) and the peak above it is the micro-batch's own. So a
-    model's bytes per token come from its accumulating micro-batches when it had any, and
-    the gradients count once, in ``state_bytes``.
-
-    An optimizer step runs after its mini-batch's last backward, when no micro-batch's
-    activations are held, so its temporaries (DeepSpeed's float32 copy of the gradient
-    partition: 6.8 GB at 1.7B) never meet a micro-batch's: they are kept apart
-    (``optimizer_peak_bytes``), and what stays after the step (the AdamW states, created
-    at the first) counts in ``state_bytes``.
-
-    Attributes:
-        state_bytes: the most memory allocated before a training micro-batch's forward or
-            right after an applied optimizer step: what is held while a micro-batch runs
-            (every weight, gradient and optimizer state), in bytes. A step not applied may
-            not have created its states: its peak counts instead.
-        optimizer_peak_bytes: the most allocated during an optimizer step (the states and
-            the step's temporaries), in bytes.
-        optimizer_steps: optimizer steps measured.
-    """
-
-    state_bytes: int = 0
-    optimizer_peak_bytes: int = 0
-    optimizer_steps: int = 0
-    largest: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
-    """Per model: the tokens of its largest measured micro-batch and its bytes per token."""
-    largest_accumulating: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
-    """The same over micro-batches that accumulated into gradients already held."""
-
-    def micro_batch(
-        self, model: str, start: int, peak: int, tokens: int, accumulating: bool = False
-    ) -> None:
-        """One training micro-batch of ``model`` ("policy", "critic"): bytes allocated
-        before its forward (``start``), the peak until its backward ended, its tokens, and
-        whether an earlier backward of its mini-batch already held the gradients."""
-        self.state_bytes = max(self.state_bytes, start)
-        if tokens <= 0:
-            return
-        # more tokens wins; of two as large, the one that held more per token
-        measured = (tokens, max(0, peak - start) / tokens)
-        kept = (self.largest, self.largest_accumulating) if accumulating else (self.largest,)
-        for largest in kept:
-            largest[model] = max(largest.get(model, (0, 0.0)), measured)
-
-    @property
-    def bytes_per_token(self) -> float:
-        """The largest ``(peak - start) / tokens`` of a model's largest training
-        micro-batch (its largest accumulating one where it had any): its forward and
-        backward's peak above what was allocated before it, per token as the budget counts
-        them, in bytes (0.0 before any). The fixed part (the LM head's chunks) is spread over
-        that micro-batch's tokens, which only overstates it for larger budgets."""
-        per_model = {**self.largest, **self.largest_accumulating}
-        return max((per_token for _, per_token in per_model.values()), default=0.0)
-
-    def optimizer_step(self, peak: int, after: int, applied: bool = True) -> None:
-        """One optimizer step: its peak allocated bytes (every state and its temporaries),
-        those allocated after it, and whether it was applied."""
-        self.optimizer_steps += 1
-        self.optimizer_peak_bytes = max(self.optimizer_peak_bytes, peak)
-        self.state_bytes = max(self.state_bytes, after if applied else peak)
+    kept: list[Trajectory]
+    retrieval_failed: int
+    no_policy_tokens: int
+    singleton_group: int
 
 
-def settled_token_budget(
-    available_bytes: int, bytes_per_token: float, fraction: float = 0.8
-) -> int:
-    """Micro-batch token budget from measured memory: ``fraction * available_bytes /
-    bytes_per_token``, at least 256 (and 256 when nothing was measured).
-
-    Args:
-        available_bytes: the device's memory less what is not torch's (the CUDA context)
-            and :attr:`MemoryProbe.state_bytes`.
-        bytes_per_token: :attr:`MemoryProbe.bytes_per_token`.
-        fraction: share of it for a micro-batch (the rest: allocator fragmentation, longer
-            rows' larger attention masks).
+def select_trainable(trajectories: Sequence[Trajectory], group_relative: bool) -> Selection:
+    """The trajectories a learner step trains on: not those whose search failed after
+    retries (no valid reward), nor those without a policy token, nor, with
+    ``group_relative`` advantages, those alone in their group (a group-relative advantage
+    needs two). Each exclusion is counted.
 
     Raises:
-        ValueError: ``fraction`` outside (0, 1].
+        EmptyBatchError: nothing is left; the message gives the counts.
     """
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    if bytes_per_token <= 0.0:
-        return 256
-    return max(256, int(fraction * max(0, available_bytes) / bytes_per_token))
+    kept = [t for t in trajectories if not t.retrieval_failed]
+    retrieval_failed = len(trajectories) - len(kept)
+    with_tokens = [t for t in kept if t.num_policy_tokens > 0]
+    no_tokens = len(kept) - len(with_tokens)
+    singleton = 0
+    if group_relative:
+        sizes: dict[str, int] = defaultdict(int)
+        for t in with_tokens:
+            sizes[t.group_id] += 1
+        grouped = [t for t in with_tokens if sizes[t.group_id] >= 2]
+        singleton = len(with_tokens) - len(grouped)
+        with_tokens = grouped
+    if not with_tokens:
+        raise EmptyBatchError(
+            f"no trainable trajectory among {len(trajectories)}: {retrieval_failed} "
+            f"retrieval failed, {no_tokens} without policy tokens, {singleton} alone "
+            "in their group (group-relative advantages need >= 2 per group)"
+        )
+    return Selection(with_tokens, retrieval_failed, no_tokens, singleton)

@@ -501,16 +501,16 @@ class LearnerConfig(StrictModel):
     micro_batch_tokens: int = Field(0, ge=-1, le=16_777_216)
     """Micro-batches by token budget instead of by count when > 0: each stage's rows (on
     each rank) go longest first into micro-batches of at most this many padded token slots
-    (:func:`learner.batch.token_budget_micro_batches`; a longer row goes alone), so rows of
+    (:func:`learner.micro_batches.token_budget_micro_batches`; a longer row goes alone), so rows of
     similar length share a forward and little padding is computed. The gradient is the
     same (global denominators), up to float summation order. 0: ``micro_batch_size`` rows
     per forward, in the mini-batch's shuffled order. With ``pack_sequences`` the budget
     counts real tokens (what a packed forward computes, up to its rows' tails). -1: a
     budget sized from the GPU memory: until the first RL step ends, 0.6 of the memory free
     at start-up less the AdamW states to come over an estimate of the activation bytes per
-    token (:func:`learner.batch.memory_token_budget`), at most 8,192 tokens; then 0.8 of
+    token (:func:`learner.micro_batches.memory_token_budget`), at most 8,192 tokens; then 0.8 of
     the memory left by what that step held while its micro-batches ran (weights, gradients,
-    optimizer states) over the bytes per token they held (:class:`learner.batch.MemoryProbe`);
+    optimizer states) over the bytes per token they held (:class:`learner.micro_batches.MemoryProbe`);
     CPU: 4,096. Within
     ``gpu_memory_fraction`` of the device."""
 
@@ -633,7 +633,7 @@ class SFTConfig(StrictModel):
     """Probability that a demonstration of a question needing more than one search stops
     after its first search and answers what that search returned (the record's
     ``metadata.partial_answer``), as a demonstrator that missed that the question asks about
-    a linked record would (:func:`learner.sft.build_demonstrations`, seeded by
+    a linked record would (:func:`actors.demonstrations.build_demonstrations`, seeded by
     ``run.seed``). The warm-started policy then answers early about this often, which is
     wrong: RL has a decision to learn (search again or answer now) that the warm start
     left open (the synthetic stability regime,

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from learner.batch import TrainingBatch
+from learner.losses import entropy_from_logits
+from learner.modeling import response_logits, token_logprobs
 from learner.packing import model_inputs
 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -282,3 +284,42 @@ def masked_token_stats(
         return values.new_zeros(shape).index_put((rows, cols), values)
 
     return TokenStats(scattered(logprobs), scattered(entropy) if entropy is not None else None)
+
+
+def token_stats(
+    engine: Any,
+    micro: TrainingBatch,
+    *,
+    chunk_tokens: int,
+    temperature: float,
+    packed: bool,
+    varlen: bool,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> TokenStats:
+    """Per-token log-probs (and entropy) of ``micro``'s response under ``engine``.
+
+    Chunked through the LM head on the policy tokens only (:func:`masked_token_stats`;
+    values off ``loss_mask`` are 0) when ``chunk_tokens > 0`` and the model allows it
+    (:func:`lm_head_of`), else the full-vocabulary logits (values everywhere; the entropy
+    differentiable only with ``entropy_grad``). Both are differentiable in the policy where
+    grad is enabled. ``packed``, ``varlen``: the layout (:func:`masked_token_stats`); the
+    full-vocabulary path runs the padded batch.
+
+    Returns:
+        :class:`TokenStats` with float32 [B, T] tensors (entropy None without
+        ``with_entropy``).
+    """
+    head = lm_head_of(engine) if chunk_tokens > 0 else None
+    if head is not None:
+        return masked_token_stats(
+            engine, micro, micro.policy_token_positions(), head, temperature=temperature,
+            chunk_tokens=chunk_tokens, with_entropy=with_entropy, packed=packed, varlen=varlen,
+        )  # fmt: skip
+    logits = response_logits(engine, micro, temperature)
+    logprobs = token_logprobs(logits, micro.response_ids)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad):
+            entropy = entropy_from_logits(logits)
+    return TokenStats(logprobs, entropy)

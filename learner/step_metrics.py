@@ -18,13 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel
 from torch import Tensor
 
 from actors.trajectory import Trajectory, TurnSummary, per_turn_summary
-from learner.batch import TrainingBatch
-from learner.config import uses_critic
+from learner.batch import Selection, TrainingBatch
 from learner.distributed import all_reduce_floats
+from learner.objective import Objective
 
 _PER_UPDATE_METRICS = ("pg_loss", "value_loss", "clip_bias_norm", "clip_bias_scale")
 """Metrics with one value per optimizer step (mini-batch losses, ||C||, s): averaged over
@@ -165,14 +164,12 @@ class SupervisedStepMetrics:
     tokens_per_s: float
 
 
-@dataclass
-class Selection:
-    """The trajectories a step trains on and how many it excluded, by reason."""
-
-    kept: list[Trajectory]
-    retrieval_failed: int
-    no_policy_tokens: int
-    singleton_group: int
+def scalar(x: Tensor | float | None) -> float:
+    """``float(x)`` of a one-element tensor or a number (reads a device tensor: a host sync);
+    None is NaN."""
+    if x is None:
+        return float("nan")
+    return float(x.item()) if isinstance(x, Tensor) else float(x)
 
 
 def read_scalars(values: Sequence[Tensor | float | None]) -> list[float]:
@@ -307,6 +304,38 @@ class StepAccumulator:
         self.micro["_tokens"].append(num_tokens)
         self.micro["_turns"].append(num_turns)
 
+    def add_mini_batch(
+        self, queued: Sequence[tuple[bool, Deferred, Deferred | None]]
+    ) -> tuple[dict[str, float], bool, bool, bool]:
+        """Add one mini-batch's micro-batches, read (``(real, policy metrics, critic metrics
+        or None)`` each; padding micro-batches only count for finiteness).
+
+        Returns:
+            ``(sums, policy_finite, critic_finite, any_clipped)``: the summed ``pg_loss``,
+            ``value_loss`` and ``clip_bias_norm_sq`` of the real micro-batches, whether
+            every policy and critic loss was finite, and whether any token was clipped.
+        """
+        sums: dict[str, float] = defaultdict(float)
+        policy_finite, critic_finite, clipped = True, True, False
+        for real, policy_read, critic_read in queued:
+            metrics = dict(policy_read.get())
+            policy_finite &= math.isfinite(metrics["loss"])
+            if critic_read is not None:
+                value_metrics = critic_read.get()
+                critic_finite &= math.isfinite(value_metrics["loss"])
+                if real:
+                    sums["value_loss"] += value_metrics["value_loss"]
+            if not real:
+                continue
+            sums["pg_loss"] += metrics.pop("pg_loss")
+            sums["clip_bias_norm_sq"] += metrics.pop("clip_bias_norm_sq")
+            clipped |= metrics["clip_ratio"] > 0.0
+            self.token_log_ratio_abs_max = max(
+                self.token_log_ratio_abs_max, metrics.pop("token_log_ratio_abs_max")
+            )
+            self.add_micro(metrics, metrics["num_tokens"], metrics["num_turns"])
+        return sums, policy_finite, critic_finite, clipped
+
     def reduce(self, world_size: int) -> None:
         """All-reduce the rank-local sums (no-op on one rank): afterwards ``micro`` holds the
         global sums, ``mini`` the global per-optimizer-step losses, and the maxima and the
@@ -375,7 +404,7 @@ def turn_advantages(
 
 def step_metrics(
     batch: TrainingBatch,
-    algorithm: BaseModel,
+    objective: Objective,
     selection: Selection,
     acc: StepAccumulator,
     staleness: list[int],
@@ -387,7 +416,7 @@ def step_metrics(
     ppo_epochs: int,
 ) -> StepMetrics:
     """The :class:`StepMetrics` of one learner step from its batch (advantages filled),
-    its algorithm, what it excluded and its reduced :class:`StepAccumulator`.
+    its objective, what it excluded and its reduced :class:`StepAccumulator`.
 
     ``staleness``: the trained trajectories' staleness; ``step_s``: the step's wall
     seconds; the keyword counters are the learner's after the step."""
@@ -404,7 +433,7 @@ def step_metrics(
     return StepMetrics(
         policy_version=policy_version,
         global_step=global_step,
-        variant=algorithm.variant,
+        variant=objective.variant,
         num_trajectories=batch.batch_size,
         num_excluded_retrieval_failed=selection.retrieval_failed,
         num_excluded_no_policy_tokens=selection.no_policy_tokens,
@@ -421,7 +450,7 @@ def step_metrics(
         pg_loss=acc.mean("pg_loss"),
         value_loss=acc.mean("value_loss"),
         grad_norm=mean_or_nan(acc.grad_norms),
-        critic_grad_norm=mean_or_nan(acc.critic_grad_norms) if uses_critic(algorithm) else 0.0,
+        critic_grad_norm=mean_or_nan(acc.critic_grad_norms) if objective.critic else 0.0,
         clip_bias_norm=acc.mean("clip_bias_norm"),
         clip_bias_scale=acc.mean("clip_bias_scale", default=1.0),
         clip_ratio_dual=acc.mean("clip_ratio_dual"),

@@ -227,8 +227,8 @@ def tokenizer_texts(
 ) -> list[str]:
     """What the tokenizer is trained on: passages, questions, the agent's system prompt and
     the demonstration turns (so the tags become single tokens)."""
+    from actors.demonstrations import ANSWER_THOUGHT, SEARCH_THOUGHT
     from actors.prompts import SYSTEM_PROMPT
-    from learner.sft import ANSWER_THOUGHT, SEARCH_THOUGHT
 
     texts = [SYSTEM_PROMPT] * 50
     for r in records:

@@ -134,27 +134,12 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tok) -> Path:
     """A randomly initialised 2-layer Llama (hidden 64) with SmolLM2's tokenizer, saved as
     an HF folder. Fast stand-in for the real policy where weights do not matter."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import save_model, tiny_llama_config
+    from transformers import LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny_llama")
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    model = LlamaForCausalLM(tiny_llama_config(len(tok), tok)).to(torch.bfloat16)
+    return save_model(model, tok, tmp_path_factory.mktemp("tiny_llama"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -72,8 +72,8 @@ class Phases:
         """Build the demonstrations and run the learner's SFT on them."""
         from transformers import AutoTokenizer
 
+        from actors.demonstrations import build_demonstrations
         from actors.retrieval_client import RetrievalClient
-        from learner.sft import build_demonstrations
         from services.sampler import QuestionSampler
 
         cfg = self.config()

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from learner_factories import make_trajectory
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tiny_models import peaked_llama, save_model
+from transformers import AutoTokenizer
 
 from actors.engines.hf import HFEngine
 from actors.engines.protocol import SamplingParams
@@ -49,28 +50,7 @@ def peaked_llama_dir(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) 
     """A random 2-layer Llama (head_dim 64) with SmolLM2's tokenizer and peaked,
     prompt-dependent logits (scaled embeddings and untied output layer), saved in fp32."""
     tok = AutoTokenizer.from_pretrained(model_dir)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(20.0)
-        model.lm_head.weight.mul_(30.0)
-    out = tmp_path_factory.mktemp("peaked_llama")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_model(peaked_llama(tok, seed=0), tok, tmp_path_factory.mktemp("peaked_llama"))
 
 
 def prompts(tok) -> list[list[int]]:

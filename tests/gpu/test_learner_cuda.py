@@ -214,7 +214,7 @@ def test_memory_token_budget_settles_after_the_first_step(tiny_llama_dir: Path):
     """``micro_batch_tokens = -1`` on CUDA: at most 8,192 tokens before the first RL step
     (SFT steps do not settle it), then the budget from what that step measured: the
     states' and optimizer steps' peak and the bytes per token a micro-batch held."""
-    from learner.trainer import FIRST_STEP_TOKEN_BUDGET
+    from learner.micro_batches import FIRST_STEP_TOKEN_BUDGET
 
     learner = Learner(
         tiny_llama_dir,
@@ -222,18 +222,21 @@ def test_memory_token_budget_settles_after_the_first_step(tiny_llama_dir: Path):
         PPOConfig(),
         seed=0,
     )
-    assert not learner.budget_settled
-    first = learner.auto_micro_batch_tokens
+    assert not learner.micro_batches.budget_settled
+    first = learner.micro_batches.auto_micro_batch_tokens
     assert 256 <= first <= FIRST_STEP_TOKEN_BUDGET
     learner.supervised_step(make_batch(2))
-    assert not learner.budget_settled and learner.auto_micro_batch_tokens == first
+    assert (
+        not learner.micro_batches.budget_settled
+        and learner.micro_batches.auto_micro_batch_tokens == first
+    )
     metrics = learner.step(make_batch(2))
     assert metrics.skipped_steps == 0
-    probe = learner.memory_probe
-    assert learner.budget_settled and probe.optimizer_steps >= 2  # policy and critic
+    probe = learner.micro_batches.memory_probe
+    assert learner.micro_batches.budget_settled and probe.optimizer_steps >= 2  # policy and critic
     assert set(probe.largest) == {"policy", "critic"} and probe.bytes_per_token > 0
     total = torch.cuda.get_device_properties(learner.device).total_memory
     # held while micro-batches run, at most what an optimizer step peaked at
     assert 0 < probe.state_bytes <= probe.optimizer_peak_bytes < total
-    assert learner.auto_micro_batch_tokens >= 256
+    assert learner.micro_batches.auto_micro_batch_tokens >= 256
     assert learner.step(make_batch(2)).skipped_steps == 0  # the settled budget runs

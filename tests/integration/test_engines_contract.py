@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from learner_factories import make_trajectory
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from tiny_models import peaked_llama, save_model
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from actors.engines.protocol import SamplingParams
 from learner.batch import collate_trajectories
@@ -55,27 +56,8 @@ def check_logprob_gap(gap: torch.Tensor, dtype: str) -> None:
 
 
 def build_tiny(out: Path, tok, seed: int) -> Path:
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # peaked, prompt-dependent logits (the 0.02-std init is near uniform
-        model.model.embed_tokens.weight.mul_(20.0)  # and greedily repeats "\n" when tied)
-        model.lm_head.weight.mul_(30.0)
-    model.to(torch.bfloat16).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    """The peaked tiny Llama (:func:`tiny_models.peaked_llama`) saved in bf16."""
+    return save_model(peaked_llama(tok, seed).to(torch.bfloat16), tok, out)
 
 
 @pytest.fixture(scope="module")

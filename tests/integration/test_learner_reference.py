@@ -275,7 +275,7 @@ def check_against_reference(variant, overrides, tiny_llama_dir: Path, **learner_
         learner.policy_version = 5  # two versions ahead of the batch's (3): alpha = 1 at j = 0
     batch = collate_trajectories(trajs, learner.pad_token_id)
     if "micro_batch_tokens" in learner_overrides:  # the plans the cases above describe
-        sizes = [len(rows) for rows, _ in learner._micro_plan(batch, range(4))]
+        sizes = [len(rows) for rows, _ in learner.micro_batches.plan(batch, range(4))]
         assert sizes == ([2, 2] if learner_overrides["micro_batch_tokens"] == 40 else [1] * 4)
     with torch.no_grad():
         values = (

@@ -12,14 +12,10 @@ from learner_factories import expected_sft_loss
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.config import RetrievalClientConfig
+from actors.demonstrations import DemonstrationError, build_demonstration, build_demonstrations
 from actors.prompts import prompt_ids
 from actors.retrieval_client import RetrievalClient
 from learner.config import LearnerConfig, PPOConfig, SFTConfig
-from learner.sft import (
-    DemonstrationError,
-    build_demonstration,
-    build_demonstrations,
-)
 from learner.trainer import Learner
 
 pytestmark = pytest.mark.integration

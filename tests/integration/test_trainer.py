@@ -13,8 +13,9 @@ import torch
 from learner_factories import make_batch
 from transformers import AutoModelForCausalLM
 
+from learner.batch import EmptyBatchError
 from learner.config import VARIANT_CONFIGS, LearnerConfig, PPOConfig, STPPOConfig
-from learner.trainer import EmptyBatchError, Learner
+from learner.trainer import Learner
 
 pytestmark = pytest.mark.integration
 

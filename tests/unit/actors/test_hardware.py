@@ -17,7 +17,7 @@ from actors.hardware import (
     cpu_has_native_bf16,
     resolve_dtype,
 )
-from learner.trainer import deepspeed_config
+from learner.engines import deepspeed_config
 
 pytestmark = pytest.mark.cpu_isa  # make test-avx2 runs it as an AVX2-only CPU
 

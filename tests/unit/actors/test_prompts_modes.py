@@ -214,8 +214,8 @@ def test_system_prompt_replaces_the_agent_instruction_only(tok):
 def test_rollouts_and_demonstrations_use_the_configured_system_prompt(tok):
     """rollout.system_prompt reaches the engine's prompt and the warm start's demonstrations
     (a demonstration under another prompt teaches the wrong context)."""
+    from actors.demonstrations import build_demonstration
     from actors.rollout import run_rollout
-    from learner.sft import build_demonstration
 
     rec = {**PERU_Q, "metadata": {"search_queries": ["capital of Peru"]}}
     engine = ScriptedEngine(tok, {PERU_Q["question"]: ["<answer> Lima </answer>"]})

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 from learner_factories import make_trajectory
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_llama_config
+from transformers import LlamaForCausalLM
 
 from actors.trajectory import Trajectory
 from learner.batch import collate_trajectories
@@ -103,14 +104,10 @@ def test_response_logprobs_match_unpadded_shifted_forward():
     """The [B, T] log-probs of the padded batch equal the textbook per-sequence computation
     logits[:-1] -> tokens[1:] on each unpadded sequence, at every real response token."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
+    config = tiny_llama_config(
+        32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1,
-    )
+    )  # fmt: skip
     model = LlamaForCausalLM(config).eval()
     trajs = [
         make_trajectory([5, 6, 1], [8, 9, 10, 11], [1, 0, 0, 1]),
@@ -146,7 +143,7 @@ def test_turn_advantages_follow_the_input_order_and_skip_the_excluded() -> None:
 
 
 def test_token_budget_micro_batches_longest_first_within_budget():
-    from learner.batch import token_budget_micro_batches
+    from learner.micro_batches import token_budget_micro_batches
 
     prompts = [10, 10, 10, 30, 5]
     responses = [90, 20, 80, 300, 10]  # totals 100, 30, 90, 330, 15
@@ -168,7 +165,7 @@ def test_token_budget_micro_batches_longest_first_within_budget():
 def test_memory_token_budget_by_hand():
     from types import SimpleNamespace
 
-    from learner.batch import activation_bytes_per_token, memory_token_budget
+    from learner.micro_batches import activation_bytes_per_token, memory_token_budget
 
     cfg = SimpleNamespace(hidden_size=100, intermediate_size=300, num_hidden_layers=10)
     per_layer = 2 * (6 * 100 + 4 * 300)  # 3,600 bytes per layer and token
@@ -189,7 +186,7 @@ def test_memory_probe_and_settled_budget_by_hand():
     after an optimizer step (during one that was not applied); bytes per token come from
     each model's largest micro-batch (more per token breaks a tie), its largest accumulating
     one where it had any, the larger of the two models'."""
-    from learner.batch import MemoryProbe, settled_token_budget
+    from learner.micro_batches import MemoryProbe, settled_token_budget
 
     probe = MemoryProbe()
     probe.micro_batch("policy", start=1000, peak=1000 + 400 * 10, tokens=400)  # 10 B/token
@@ -234,13 +231,13 @@ def test_learner_tells_the_probe_which_micro_batches_accumulate(
     after the step from what was recorded, within ``gpu_memory_fraction`` of the device."""
     from learner_factories import make_batch, make_tiny_learner
 
-    from learner.batch import settled_token_budget
     from learner.config import PPOConfig
+    from learner.micro_batches import settled_token_budget
 
     learner = make_tiny_learner(  # 2 micro-batches per mini-batch
         tiny_llama_dir, PPOConfig(), zero_stage=2, gpu_memory_fraction=fraction
     )
-    learner.budget_settled = False  # as on CUDA before the first RL step
+    learner.micro_batches.budget_settled = False  # as on CUDA before the first RL step
     counter, returned = iter(range(1000, 10**9, 1000)), []
     gib = 2**30
     monkeypatch.setattr(
@@ -255,9 +252,9 @@ def test_learner_tells_the_probe_which_micro_batches_accumulate(
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * gib)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 20 * gib))
     seen = []
-    record = learner.memory_probe.micro_batch
+    record = learner.micro_batches.memory_probe.micro_batch
     monkeypatch.setattr(
-        learner.memory_probe,
+        learner.micro_batches.memory_probe,
         "micro_batch",
         lambda model, start, peak, tokens, accumulating: (
             seen.append((model, accumulating)),
@@ -266,13 +263,13 @@ def test_learner_tells_the_probe_which_micro_batches_accumulate(
     )
     learner.step(make_batch(0))
     assert seen == [("policy", False), ("critic", False), ("policy", True), ("critic", True)]
-    probe = learner.memory_probe
+    probe = learner.micro_batches.memory_probe
     assert set(probe.largest_accumulating) == {"policy", "critic"}
-    assert probe.optimizer_steps == 2 and learner.budget_settled
+    assert probe.optimizer_steps == 2 and learner.micro_batches.budget_settled
     # held: the most allocated before a micro-batch or after an optimizer step, not the
     # optimizer steps' peak
     assert (probe.state_bytes, probe.optimizer_peak_bytes) == (max(returned), peak)
     # the device less the others' 7 GiB (13 GiB), or 5 GiB at a quarter; less the states
     device = 13 * gib if fraction == 1.0 else 5 * gib
     want = settled_token_budget(device - max(returned), probe.bytes_per_token)
-    assert learner.auto_micro_batch_tokens == want > 256
+    assert learner.micro_batches.auto_micro_batch_tokens == want > 256

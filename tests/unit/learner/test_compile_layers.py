@@ -36,18 +36,11 @@ def graphs(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 def _tiny_llama(layers: int = 3):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_llama_config
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(tiny_llama_config(512, num_hidden_layers=layers))
 
 
 def _loss_and_grads(model, width: int, grad: bool = True) -> tuple[float, list[torch.Tensor]]:

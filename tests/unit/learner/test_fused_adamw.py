@@ -10,7 +10,7 @@ import torch
 from learner_factories import make_batch, make_tiny_learner
 
 from learner.config import LearnerConfig, PPOConfig
-from learner.trainer import use_fused_adamw
+from learner.engines import use_fused_adamw
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2])

@@ -165,14 +165,14 @@ def test_nonfinite_loss_poisons_every_gradient_without_a_host_read(finite):
     """A NaN that reaches no gradient (here a constant added to the loss) still makes every
     gradient NaN, so the optimizer step's overflow check skips it; a finite loss's
     gradients are the plain backward's, bit for bit. Decided on the device: no sync."""
-    from learner.trainer import Learner
+    from learner.engines import backward
 
     torch.manual_seed(0)
     model, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
     constant = torch.tensor(0.0 if finite else math.nan)
     output = model(x)
     with SimulatedDevice([model]) as sim:
-        Learner._backward(_PlainEngine(), output.square().sum() + constant, output)
+        backward(_PlainEngine(), output.square().sum() + constant, output)
     assert sim.total == 0
     grads = [p.grad.clone() for p in model.parameters()]
     if not finite:

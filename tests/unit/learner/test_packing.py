@@ -22,9 +22,10 @@ from learner.attention import (
     uses_varlen_kernel,
     varlen_kernel,
 )
-from learner.batch import collate_trajectories, token_budget_micro_batches
+from learner.batch import collate_trajectories
 from learner.config import GRPOConfig, LearnerConfig, PPOConfig, uses_critic
 from learner.logprobs import lm_head_of, masked_token_stats
+from learner.micro_batches import token_budget_micro_batches
 from learner.modeling import ValueModel
 from learner.packing import block_causal_mask, pack_rows, packed_inputs, padded_inputs
 
