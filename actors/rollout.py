@@ -31,7 +31,6 @@ Source: Jin et al., "Search-R1" (2025), ``search_r1/llm_agent/generation.py`` (`
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import logging
 import threading
@@ -43,10 +42,10 @@ from typing import Protocol
 import numpy as np
 
 from actors.config import RolloutConfig
+from actors.engines.build import build_engine, serve_engine_metrics
 from actors.engines.interrupt import Interrupt, WeightGate
 from actors.engines.protocol import STOP_STRINGS, GenerationEngine, GenerationResult, SamplingParams
 from actors.prompts import extract_search_query, information_ids, invalid_search_ids, prompt_ids
-from actors.rendezvous import advertised_host
 from actors.retrieval_client import Passage, RetrievalClient, RetrievalFailed
 from actors.reward import compute_reward
 from actors.scoring import compared_forms
@@ -504,75 +503,6 @@ def _transcript(e: _Episode, answer: str | None, normalization: str = "folded") 
         compared_prediction=forms.prediction,
         compared_golden=forms.golden,
     )
-
-
-def build_engine(model_path: str, cfg: RolloutConfig, seed: int) -> GenerationEngine:
-    """The engine ``cfg.engine`` names (``hf`` or ``vllm``), loaded from ``model_path``.
-
-    ``vllm`` falls back to ``hf``, with one logged line, where vLLM is not installed (a
-    machine set up without the ``cpu`` / ``gpu`` extra). ``dtype = "auto"`` is resolved
-    here, on the machine the engine runs on (:func:`actors.hardware.resolve_dtype`). The HF
-    engine runs on the GPU where this process sees one (a rollout actor given
-    ``ray.rollout_actor_gpus > 0``), on the CPU otherwise.
-    """
-    import torch
-
-    from actors.hardware import resolve_dtype
-
-    dtype = resolve_dtype(cfg.dtype, "cuda" if torch.cuda.is_available() else "cpu")
-    engine = cfg.engine
-    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        logger.warning(
-            "rollout.engine = 'vllm' but vLLM is not installed here: using the HF engine "
-            "(install with scripts/setup.sh on CPU, or pip install -e '.[gpu]' on GPU)"
-        )
-        engine = "hf"
-    logger.info("rollout engine %s, dtype %s (%s)", engine, dtype.name, dtype.reason)
-    if engine == "hf":
-        from actors.engines.hf import HFEngine
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return HFEngine(model_path, seed=seed, dtype=dtype.torch_dtype, device=device)
-    from actors.engines.vllm import VLLMEngine
-
-    return VLLMEngine(
-        model_path,
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        kv_cache_gib=cfg.vllm_kv_cache_gib,
-        dtype="float32" if dtype.name == "fp32" else "bfloat16",
-        max_model_len=cfg.max_response_tokens + 2048,
-        seed=seed,
-        log_stats=cfg.engine_metrics_port is not None,
-    )
-
-
-def serve_engine_metrics(engine: GenerationEngine, host: str, port: int):
-    """Serve this process's Prometheus registry, where a vLLM engine built with
-    ``log_stats=True`` records its ``vllm:*`` series, on ``host:port`` (0 = a free port).
-
-    Returns:
-        ``(url, server)`` with the bound port read back, or ``(None, None)`` for an engine
-        that records no metrics (HF, scripted).
-
-    Raises:
-        OSError: the port is taken (a fixed port with two actors on one node).
-    """
-    from actors.engines.vllm import VLLMEngine
-
-    if not isinstance(engine, VLLMEngine):
-        logger.info(
-            "rollout.engine_metrics_port is set but the %s engine records no "
-            "metrics: nothing served",
-            type(engine).__name__,
-        )
-        return None, None
-    from prometheus_client import REGISTRY, start_http_server
-
-    server, _ = start_http_server(port, addr=host, registry=REGISTRY)
-    bound = server.server_address[1]
-    url = f"http://{advertised_host(host)}:{bound}/metrics"
-    logger.info("engine metrics: %s", url)
-    return url, server
 
 
 class RolloutWorker:

@@ -48,7 +48,7 @@ import torch
 from pydantic import BaseModel, TypeAdapter
 from torch import Tensor
 
-from actors.hardware import resolve_dtype
+from actors.hardware import check_visible_gpus, resolve_dtype
 from actors.trajectory import Trajectory
 from learner import losses
 from learner.advantages import compute_advantages
@@ -74,6 +74,7 @@ from learner.engines import (
     scaled_learning_rate,
 )
 from learner.logprobs import TokenStats, token_stats
+from learner.memory_plan import check_at_start
 from learner.micro_batches import MicroBatchPlanner
 from learner.modeling import LayerCompiler, ValueModel
 from learner.objective import Objective
@@ -119,6 +120,10 @@ class Learner(CheckpointMixin, SupervisedMixin):
     Raises:
         ValueError: ``bias_norm = param`` with ZeRO stage 3; temperature <= 0; a process
             group whose size is not ``config.num_ranks``.
+        actors.hardware.GPUUnavailableError: GPUs given to this process that torch cannot
+            use (a CPU torch, or a driver older than torch's CUDA).
+        learner.memory_plan.MemoryPlanError: on CUDA, the model states cannot fit in
+            ``gpu_memory_fraction`` of the device (checked before anything is allocated).
 
     Example::
 
@@ -138,6 +143,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
     ) -> None:
         if temperature <= 0.0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        check_visible_gpus("a learner rank")  # GPUs given and unusable: no quiet CPU run
         info = init_single_process_distributed("nccl" if torch.cuda.is_available() else "gloo")
         if info.world_size != config.num_ranks:
             raise ValueError(
@@ -167,6 +173,12 @@ class Learner(CheckpointMixin, SupervisedMixin):
         )
         config = self.config = config.model_copy(update={"dtype": self.dtype_choice.name})
         logger.info("learner dtype %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
+        if torch.cuda.is_available():  # fail before allocating what cannot fit
+            check_at_start(
+                self.model_path, zero_stage=config.zero_stage, ranks=self.world_size,
+                bf16=config.dtype == "bf16", rank=self.rank,
+                device_bytes=int(torch.cuda.mem_get_info()[1] * config.gpu_memory_fraction),
+            )  # fmt: skip
         dtype = self.dtype_choice.torch_dtype
         torch.manual_seed(seed)
         policy = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)

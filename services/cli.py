@@ -501,6 +501,44 @@ def show(
         _fail(str(e))
 
 
+@app.command()
+def plan(
+    config: ConfigArgs = None,
+    shape: Annotated[
+        str | None,
+        typer.Option(
+            help="model to count: a named shape (qwen2.5-7b, qwen2.5-3b, smollm2-1.7b), an "
+            "HF folder or a config.json; default: model.path",
+        ),
+    ] = None,
+    gpu_gib: Annotated[
+        float, typer.Option(help="memory of one GPU in GiB (an 80 GB H100 or A100: 79.6)")
+    ] = 79.6,
+    node_gpus: Annotated[
+        int | None, typer.Option(help="GPUs of the node the run must fit on (checked)")
+    ] = None,
+) -> None:
+    """Print a run's GPU memory per learner rank and engine; exit 1 if it does not fit.
+
+    Also the bytes of a weight sync and of a checkpoint, the GPUs in all and the learner
+    settings that fit; exit 1 as well when the run needs more than --node-gpus GPUs."""
+    cfg = _load(config)
+    from learner.memory_plan import GIB, ModelShape
+    from services.plan import gpus_needed, plan_run, render
+
+    try:
+        model = ModelShape.load(shape or cfg.model.path)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(f"{e} (give --shape)")
+    result = plan_run(cfg, model, int(gpu_gib * GIB))
+    typer.echo(render(result, cfg))
+    too_many = node_gpus is not None and gpus_needed(cfg) > node_gpus
+    if too_many:
+        typer.echo(f"the run needs {gpus_needed(cfg):g} GPUs; the node has {node_gpus}")
+    if not (result.learner_fits and result.engine_fits) or too_many:
+        raise typer.Exit(1)
+
+
 @app.command("config")
 def show_config(config: ConfigArgs = None) -> None:
     """Validate a config and print it fully resolved (defaults filled in) as JSON."""

@@ -402,6 +402,23 @@ class RunConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _check_collective_on_shared_gpus(self) -> RunConfig:
+        ray = self.ray
+        fractional = [
+            f"ray.{name} = {value:g}"
+            for name, value in (("learner_gpus", ray.learner_gpus),
+                                ("rollout_actor_gpus", ray.rollout_actor_gpus))
+            if 0.0 < value < 1.0
+        ]  # fmt: skip
+        if self.sync.transport == "collective" and ray.learner_gpus > 0 and fractional:
+            raise ValueError(
+                f"sync.transport = 'collective' with {' and '.join(fractional)}: ranks that "
+                "share a GPU cannot be in one NCCL group (NCCL refuses two ranks on one "
+                "device); give each a whole GPU or use sync.transport = 'object_store'"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_group_size_for_grpo(self) -> RunConfig:
         if self.algorithm.variant in ("grpo", "so_grpo") and self.rollout.group_size < 2:
             raise ValueError(

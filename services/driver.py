@@ -113,6 +113,7 @@ class Driver:
         from services.loop import bootstrap
         from services.loop.parts import build_parts
 
+        bootstrap.preflight(self.cfg)
         self.services = bootstrap.open_run_dir(self.cfg, self.resume_mode, self.overwrite)
         bootstrap.start_services(self.cfg, self.control, self.services)
         p = build_parts(lambda: self.cfg, self.control, self.services)

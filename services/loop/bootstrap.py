@@ -102,6 +102,21 @@ def open_run_dir(cfg: RunConfig, resume_mode: str, overwrite: bool) -> Services:
     return Services(run_dir, plan, RecordWriter(run_dir, lineage), progress)
 
 
+def preflight(cfg: RunConfig) -> None:
+    """What must hold before anything starts, checked on the driver's machine (the job's
+    image is the same on every node): the engine the config names is installed.
+
+    Raises:
+        actors.engines.build.EngineUnavailableError: ``rollout.engine = "vllm"``, vLLM not
+            installed and no ``rollout.engine_fallback``.
+    """
+    from actors.engines.build import VLLM_MISSING, EngineUnavailableError, vllm_installed
+
+    rollout = cfg.rollout
+    if rollout.engine == "vllm" and not rollout.engine_fallback and not vllm_installed():
+        raise EngineUnavailableError(VLLM_MISSING)
+
+
 def start_services(cfg: RunConfig, control: ControlState, services: Services) -> Services:
     """Metrics, retrieval, Ray, the metrics endpoint, trackers and the control plane."""
     from prometheus_client import CollectorRegistry

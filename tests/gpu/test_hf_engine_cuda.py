@@ -152,7 +152,7 @@ def test_build_engine_puts_the_hf_engine_on_the_gpu(tiny_llama_dir: Path):
     """A rollout actor that sees a GPU (``ray.rollout_actor_gpus > 0``) generates on it:
     ``build_engine`` used to leave the HF engine on the CPU whatever the device."""
     from actors.config import RolloutConfig
-    from actors.rollout import build_engine
+    from actors.engines.build import build_engine
 
     engine = build_engine(str(tiny_llama_dir), RolloutConfig(engine="hf", dtype="bf16"), seed=0)
     assert engine.device.type == "cuda"

@@ -145,7 +145,7 @@ def test_rollout_dtype_selects_the_engine_dtype(
     forced both ways (``STPPO_CPU_BF16``), so both branches run on every CPU."""
     import torch
 
-    from actors.rollout import build_engine
+    from actors.engines.build import build_engine
 
     monkeypatch.setenv(FORCE_ENV, native_bf16)
     for dtype, want in (("fp32", torch.float32), ("bf16", torch.bfloat16)):

@@ -142,3 +142,30 @@ def test_as_avx2_script_sets_the_emulation_environment():
     ).stdout
     env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     assert {k: env.get(k) for k in AVX2_EMULATION_ENV} == AVX2_EMULATION_ENV
+
+
+def test_gpus_given_and_unusable_stop_the_process_naming_the_versions(monkeypatch, tmp_path):
+    """A rollout actor or learner rank given GPUs by Ray (``CUDA_VISIBLE_DEVICES``) that
+    torch cannot use stops, instead of running on the CPU."""
+    import torch
+
+    from actors import hardware
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    hardware.check_visible_gpus("rollout actor")  # no GPU given: nothing to check
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(hardware.GPUUnavailableError, match=r"GPU\(s\) 2,3 .* is a CPU build"):
+        hardware.check_visible_gpus("rollout actor")
+    version = tmp_path / "version"
+    version.write_text(
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
+    )
+    monkeypatch.setattr(hardware, "NVIDIA_DRIVER_VERSION_FILE", version)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with pytest.raises(hardware.GPUUnavailableError) as stopped:
+        hardware.check_visible_gpus("learner rank 0")
+    assert "built for CUDA 13.0 and the NVIDIA driver is 535.104.05" in str(stopped.value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    hardware.check_visible_gpus("learner rank 0")  # usable: nothing to say

@@ -203,13 +203,13 @@ def test_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch):
         VLLMEngine("unused-model-path")
 
 
-def test_build_engine_falls_back_to_hf_with_one_line_where_vllm_is_missing(
+def test_a_missing_vllm_stops_the_engine_unless_the_config_asks_for_the_fallback(
     monkeypatch, caplog, tiny_llama_dir
 ):
     import importlib.util
     import logging
 
-    from actors import rollout
+    from actors.engines import build as rollout
     from actors.engines.hf import HFEngine
 
     real_find_spec = importlib.util.find_spec
@@ -218,14 +218,18 @@ def test_build_engine_falls_back_to_hf_with_one_line_where_vllm_is_missing(
         "find_spec",
         lambda name, *a: None if name == "vllm" else real_find_spec(name, *a),
     )
-    with caplog.at_level(logging.WARNING, logger="actors.rollout"):
+    with pytest.raises(rollout.EngineUnavailableError, match="vLLM is not installed here"):
+        rollout.build_engine(str(tiny_llama_dir), RolloutConfig(engine="vllm", dtype="fp32"), 0)
+    with caplog.at_level(logging.WARNING, logger="actors.engines.build"):
         engine = rollout.build_engine(
-            str(tiny_llama_dir), RolloutConfig(engine="vllm", dtype="fp32"), 0
+            str(tiny_llama_dir),
+            RolloutConfig(engine="vllm", dtype="fp32", engine_fallback=True),
+            0,
         )
     assert isinstance(engine, HFEngine)
     assert [r.getMessage() for r in caplog.records if "not installed" in r.getMessage()] == [
         "rollout.engine = 'vllm' but vLLM is not installed here: using the HF engine "
-        "(install with scripts/setup.sh on CPU, or pip install -e '.[gpu]' on GPU)"
+        "(rollout.engine_fallback = true)"
     ]
 
 

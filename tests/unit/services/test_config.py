@@ -89,6 +89,11 @@ def test_dotted_overrides_parse_toml_values():
             "learner: Value error, compile_layers needs zero_stage <= 2",
         ),
         (
+            ["ray.learner_gpus=1", "ray.rollout_actor_gpus=0.5", 'sync.transport="collective"'],
+            "sync.transport = 'collective' with ray.rollout_actor_gpus = 0.5: ranks that "
+            "share a GPU cannot be in one NCCL group",
+        ),
+        (
             ["ray.learner_gpus=0.5", "learner.micro_batch_tokens=-1"],
             "learner.gpu_memory_fraction = 1.0 is more than the learner's share of its GPU "
             "(ray.learner_gpus = 0.5)",

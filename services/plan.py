@@ -1,0 +1,165 @@
+"""``stppo plan``: a run config's GPU memory, per learner rank and per rollout engine.
+
+The learner's side is :mod:`learner.memory_plan` (model states from DeepSpeed's
+estimators, activations calibrated on the committed H200 runs, the transients). The
+engine's side, per rollout actor on its GPU share: vLLM's budget
+(``rollout.vllm_gpu_memory_utilization`` of the GPU, or the weights and
+``rollout.vllm_kv_cache_gib``) plus, with ``sync.transport = "collective"``, the whole
+policy received as one dict on the engine's GPU, outside vLLM's budget (2 bytes per
+parameter in bf16). The plan also states the bytes every sync moves and a checkpoint's
+size (policy, critic, their optimizer states and the reference).
+
+A plan is for GPU nodes: on a CPU run (``ray.learner_gpus = 0``) it still prints the
+learner's bytes, which then come out of the machine's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from learner.memory_plan import (
+    GIB,
+    MIN_MICRO_BATCH_TOKENS,
+    ModelShape,
+    RankMemory,
+    activation_bytes,
+    describe,
+    learner_rank_memory,
+    settings_that_fit,
+)
+from services.config import RunConfig
+
+PROMPT_TOKENS = 512
+"""Tokens planned for a prompt (system instruction and question; Search-R1's prompt is
+about 250) when micro-batches are cut by count: a trajectory is at most this plus
+``rollout.max_response_tokens``."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What :func:`plan_run` found.
+
+    Attributes:
+        shape: the model counted.
+        gpu_bytes: one GPU's memory.
+        learner: one learner rank's plan; learner_budget: the bytes it may use
+            (``gpu_bytes * learner.gpu_memory_fraction``).
+        engine_bytes: one rollout engine's need on its GPU; engine_budget: its share
+            (``gpu_bytes * ray.rollout_actor_gpus``), 0 on a CPU run.
+        sync_bytes: bytes every weight sync sends to each engine (bf16 policy).
+        checkpoint_bytes: one checkpoint on disk.
+        fitting: ``(zero_stage, ranks)`` settings of up to 8 ranks that fit.
+    """
+
+    shape: ModelShape
+    gpu_bytes: int
+    learner: RankMemory
+    learner_budget: int
+    engine_bytes: int
+    engine_budget: int
+    sync_bytes: int
+    checkpoint_bytes: int
+    fitting: list[tuple[int, int]]
+
+    @property
+    def learner_fits(self) -> bool:
+        return self.learner.peak <= self.learner_budget
+
+    @property
+    def engine_fits(self) -> bool:
+        return self.engine_budget == 0 or self.engine_bytes <= self.engine_budget
+
+
+def gpus_needed(cfg: RunConfig) -> float:
+    """GPUs the run reserves: learner ranks and rollout actors."""
+    ray = cfg.ray
+    return (
+        cfg.learner.num_ranks * ray.learner_gpus + cfg.rollout.num_actors * ray.rollout_actor_gpus
+    )
+
+
+def micro_batch_tokens(cfg: RunConfig, shape: ModelShape, states: int, budget: int) -> int:
+    """The largest micro-batch a run's learner will run, in tokens: the token budget
+    (``learner.micro_batch_tokens > 0``; a longer trajectory goes alone), what the memory
+    left by the states holds (``-1``, as the learner sizes it: 0.8 of it), or
+    ``micro_batch_size`` of the longest trajectories (0)."""
+    longest = PROMPT_TOKENS + cfg.rollout.max_response_tokens
+    tokens = cfg.learner.micro_batch_tokens
+    if tokens > 0:
+        return max(tokens, longest)
+    if tokens == -1:
+        per_token = activation_bytes(shape, 1)
+        return max(MIN_MICRO_BATCH_TOKENS, int(0.8 * max(0, budget - states) / per_token))
+    return cfg.learner.micro_batch_size * longest
+
+
+def plan_run(cfg: RunConfig, shape: ModelShape, gpu_bytes: int) -> RunPlan:
+    """The memory plan of ``cfg`` on GPUs of ``gpu_bytes`` each (module docstring)."""
+    learner = cfg.learner
+    bf16 = learner.dtype != "fp32"
+    budget = int(gpu_bytes * learner.gpu_memory_fraction)
+    base = dict(zero_stage=learner.zero_stage, ranks=learner.num_ranks, bf16=bf16)
+    states = learner_rank_memory(shape, **base, micro_batch_tokens=0).states
+    tokens = micro_batch_tokens(cfg, shape, states, budget)
+    plan = learner_rank_memory(shape, **base, micro_batch_tokens=tokens)
+    weights = (2 if bf16 else 4) * shape.policy
+    rollout = cfg.rollout
+    if rollout.engine == "vllm" and rollout.vllm_kv_cache_gib is None:
+        engine = int(rollout.vllm_gpu_memory_utilization * gpu_bytes)
+    else:
+        engine = weights + int((rollout.vllm_kv_cache_gib or 0.0) * GIB)
+    if cfg.sync.transport == "collective":
+        engine += weights  # the received policy, outside vLLM's budget
+    optimizer_states = 12 * (shape.policy + shape.critic)  # fp32 master and moments
+    return RunPlan(
+        shape=shape,
+        gpu_bytes=gpu_bytes,
+        learner=plan,
+        learner_budget=budget,
+        engine_bytes=engine,
+        engine_budget=int(gpu_bytes * cfg.ray.rollout_actor_gpus),
+        sync_bytes=2 * shape.policy,
+        checkpoint_bytes=weights + (2 if bf16 else 4) * shape.critic + optimizer_states
+        + weights,
+        fitting=settings_that_fit(
+            shape, budget, bf16=bf16, micro_batch_tokens=tokens, max_ranks=8
+        ),
+    )  # fmt: skip
+
+
+def render(plan: RunPlan, cfg: RunConfig) -> str:
+    """The plan as the lines ``stppo plan`` prints."""
+    s, lr = plan.shape, cfg.learner
+    verdict = "fits" if plan.learner_fits else "DOES NOT FIT"
+    lines = [
+        f"model {s.name}: policy {s.policy / 1e9:.2f}B parameters, critic "
+        f"{s.critic / 1e9:.2f}B, {s.num_layers} layers of {s.hidden_size}",
+        f"GPU: {plan.gpu_bytes / GIB:.1f} GiB; the learner may use "
+        f"{plan.learner_budget / GIB:.1f} (learner.gpu_memory_fraction {lr.gpu_memory_fraction})",
+        f"learner, each of {lr.num_ranks} rank(s) at zero_stage {lr.zero_stage}, "
+        f"{'bf16' if lr.dtype != 'fp32' else 'fp32'}: {describe(plan.learner)}: {verdict}",
+        f"  optimizer step transient {plan.learner.optimizer_transient / GIB:.1f} GiB, "
+        f"weight export transient {plan.learner.export_transient / GIB:.1f} GiB",
+    ]
+    if plan.engine_budget:
+        fit = "fits" if plan.engine_fits else "DOES NOT FIT"
+        lines.append(
+            f"rollout engine ({cfg.rollout.engine}, {cfg.ray.rollout_actor_gpus:g} GPU each, "
+            f"sync {cfg.sync.transport}): {plan.engine_bytes / GIB:.1f} GiB of "
+            f"{plan.engine_budget / GIB:.1f}: {fit}"
+        )
+    lines.append(
+        f"GPUs in all: {gpus_needed(cfg):g} ({lr.num_ranks} learner rank(s) x "
+        f"{cfg.ray.learner_gpus:g}, {cfg.rollout.num_actors} engine(s) x "
+        f"{cfg.ray.rollout_actor_gpus:g})"
+    )
+    lines.append(
+        f"each weight sync sends {plan.sync_bytes / GIB:.1f} GiB to every engine; a "
+        f"checkpoint is {plan.checkpoint_bytes / GIB:.1f} GiB on disk"
+    )
+    if plan.fitting:
+        options = ", ".join(f"zero_stage {z} on {n}" for z, n in plan.fitting[:4])
+        lines.append(f"learner settings that fit (up to 8 ranks): {options}")
+    else:
+        lines.append("no learner setting of up to 8 ranks fits: fewer tokens per micro-batch")
+    return "\n".join(lines)
