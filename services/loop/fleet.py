@@ -12,12 +12,14 @@ actors were busy. It changes no run counter: the driver does, from what it retur
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from services.config import RunConfig
+from services.loop.seams import RolloutHandle
 
 
 class RolloutActorLost(RuntimeError):
@@ -38,7 +40,7 @@ class RunningRollout:
 class RolloutSlot:
     """Driver-side bookkeeping of one rollout actor."""
 
-    handle: Any
+    handle: RolloutHandle
     index: int
     engine_version: int = -1  # last version pushed (loads are applied in call order)
     running: list[RunningRollout] = field(default_factory=list)  # <= rollout.calls_per_actor
@@ -81,7 +83,7 @@ class Fleet:
             bound to the config and the retrieval URL; a fake in tests).
     """
 
-    def __init__(self, cfg: RunConfig, create_actor: Any) -> None:
+    def __init__(self, cfg: RunConfig, create_actor: Callable[[int], RolloutHandle]) -> None:
         self.cfg = cfg
         self.create_actor = create_actor
         self.slots: list[RolloutSlot] = []

@@ -16,10 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from learner.buffer import StalenessBuffer
 from services.config import RunConfig
 from services.control import LIVE_FIELDS, changed_fields
+from services.loop.seams import LearnerHandle
+
+if TYPE_CHECKING:  # the fleet imports ray; this part runs without it
+    from services.loop.fleet import Fleet
 
 
 @dataclass
@@ -33,9 +38,9 @@ class Targets:
         wait: waits for a ``.remote`` call's result (``ray.get``).
     """
 
-    buffer: Any
-    learner: Any
-    fleet: Any
+    buffer: StalenessBuffer
+    learner: LearnerHandle
+    fleet: Fleet
     wait: Callable[[Any], Any]
 
 

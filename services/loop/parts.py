@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 
@@ -17,6 +16,7 @@ from services.loop.live_config import Targets
 from services.loop.phases import Phases
 from services.loop.pipeline import Pipeline
 from services.loop.report import Report
+from services.loop.seams import LearnerHandle, TrainingSampler
 from services.loop.sync import SyncCoordinator
 
 
@@ -25,8 +25,8 @@ class Parts:
     """The handles and parts a driver routes between."""
 
     report: Report
-    learner: Any  # services.learner_group.LearnerGroup
-    sampler: Any  # services.sampler.QuestionSampler (training questions)
+    learner: LearnerHandle  # services.learner_group.LearnerGroup
+    sampler: TrainingSampler  # services.sampler.QuestionSampler
     fleet: Fleet
     sync: SyncCoordinator
     pipeline: Pipeline

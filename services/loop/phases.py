@@ -21,6 +21,7 @@ import ray
 from services.config import RunConfig
 from services.loop.fleet import Fleet, lost_weights
 from services.loop.report import Report, fmt
+from services.loop.seams import LearnerHandle
 from services.loop.sync import SyncCoordinator
 
 
@@ -57,7 +58,7 @@ class Phases:
         config: Callable[[], RunConfig],
         fleet: Fleet,
         sync: SyncCoordinator,
-        learner: Any,
+        learner: LearnerHandle,
         retrieval_url: str,
         report: Report,
     ) -> None:

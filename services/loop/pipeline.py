@@ -32,6 +32,7 @@ from learner.admission import may_admit, may_take
 from learner.buffer import BufferStats, StalenessBuffer, TakeResult
 from services.config import RunConfig
 from services.loop.fleet import Fleet
+from services.loop.seams import LearnerHandle, TrainingSampler
 
 
 @dataclass
@@ -57,8 +58,8 @@ class Pipeline:
         self,
         config: Callable[[], RunConfig],
         fleet: Fleet,
-        learner: Any,
-        sampler: Any,
+        learner: LearnerHandle,
+        sampler: TrainingSampler | None,
     ) -> None:
         self.config = config
         self.fleet = fleet

@@ -20,6 +20,8 @@ import ray
 
 from services.config import RunConfig
 from services.loop.fleet import Fleet, RolloutSlot
+from services.loop.seams import LearnerHandle
+from services.weight_sync import WeightSync
 
 log = logging.getLogger("stppo.driver")
 
@@ -40,8 +42,8 @@ class SyncCoordinator:
         self,
         config: Callable[[], RunConfig],
         fleet: Fleet,
-        learner: Any,
-        weight_sync: Any,
+        learner: LearnerHandle,
+        weight_sync: WeightSync,
         say: Callable[[str], None],
         on_load_s: Callable[[float], None] = lambda s: None,
     ) -> None:
