@@ -37,6 +37,7 @@ test-avx2: setup
 # (tests/integration/test_crash_faults.py), pods lost on the local cluster
 # (test_cluster_faults.py). -s prints the crash-consistency outcome table.
 test-faults: setup
+	.venv/bin/stppo prepare-synthetic
 	.venv/bin/pytest -m faults -s tests/integration/test_crash_faults.py tests/integration/test_cluster_faults.py
 
 setup:
