@@ -250,6 +250,22 @@ def balanced_shards(rows: Sequence[int], tokens: Sequence[int], world_size: int)
     return [[rows[i] for i in range(len(rows)) if owner[i] == r] for r in range(world_size)]
 
 
+def skip_shared_memory_allreduce() -> None:
+    """Keep DeepSpeed from building its shared-memory allreduce for CPU ranks.
+
+    DeepSpeed 0.19's ``TorchBackend`` JIT-compiles the ``deepspeed_shm_comm`` C++ op
+    whenever it initialises on a CPU accelerator (``deepspeed.comm.torch.build_shm_op``),
+    with no option to decline: about 2 minutes on a 2-core machine, the first time in a
+    checkout, before the learner starts. One rank has nothing to reduce, so a single-process
+    group goes without it; with several ranks the op stays (it speeds their allreduce)."""
+    import importlib
+
+    # by module name: ``deepspeed.comm.torch`` as an attribute is torch itself
+    torch_backend = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(torch_backend, "build_shm_op"):
+        torch_backend.build_shm_op = lambda: None
+
+
 def init_single_process_distributed(backend: str = "gloo") -> DistributedInfo:
     """Initialise ``torch.distributed`` for DeepSpeed, once per process (idempotent).
 
@@ -282,6 +298,8 @@ def init_single_process_distributed(backend: str = "gloo") -> DistributedInfo:
         if "MASTER_PORT" not in os.environ or os.environ.get(_SELF_INIT_ENV) == "1":
             os.environ["MASTER_PORT"] = str(find_free_port())
             os.environ[_SELF_INIT_ENV] = "1"
+        if backend == "gloo" and os.environ["WORLD_SIZE"] == "1":
+            skip_shared_memory_allreduce()
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return DistributedInfo(
         rank=dist.get_rank(),

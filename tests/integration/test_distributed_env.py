@@ -34,3 +34,24 @@ def test_child_of_an_initialised_process_picks_its_own_port():
         [sys.executable, "-c", PARENT], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+ALONE = textwrap.dedent(
+    """
+    import deepspeed.comm.comm as comm
+    from learner.distributed import init_single_process_distributed
+    info = init_single_process_distributed()
+    assert info.world_size == 1
+    assert comm.cdb.shm_comm_op is None, comm.cdb.shm_comm_op
+    print("ok")
+    """
+)
+
+
+def test_a_single_rank_does_not_build_the_shared_memory_allreduce():
+    """DeepSpeed's CPU backend compiles its shared-memory allreduce op at start (minutes
+    on a 2-core machine, once per checkout); a lone rank has nothing to reduce."""
+    out = subprocess.run([sys.executable, "-c", ALONE], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    assert "deepspeed_shm_comm" not in out.stdout + out.stderr  # never built, never loaded
