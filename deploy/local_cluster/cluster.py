@@ -79,6 +79,8 @@ from services.env import PROJECT_ROOT
 PREFIX = "stc"
 SUBNET = "10.213.8.0/24"
 DEFAULT_STATE_DIR = PROJECT_ROOT / "build" / "local-cluster"
+OWNED_MARKER = ".local-cluster"
+"""The file ``up`` puts in its state directory first; nothing unmarked is ever deleted."""
 NAMESPACE = "stppo"
 HEAD_SERVICE = "stppo-head-svc"  # KubeRay's name for the head Service of RayCluster `stppo`
 POD_UID = 1000
@@ -385,8 +387,10 @@ class LocalCluster:
         check_image_visible(image_paths(), POD_UID)
         remove_all(self.prefix)
         if self.state_dir.exists():
+            self._check_owned()
             shutil.rmtree(self.state_dir)
         (self.state_dir / "logs").mkdir(parents=True)
+        (self.state_dir / OWNED_MARKER).touch()
         try:
             return self._up(timeout_s)
         except BaseException:
@@ -793,11 +797,30 @@ class LocalCluster:
             self._state()  # the prefix it was made with
         removed = remove_all(self.prefix)
         if self.state_dir.exists():
+            self._check_owned()
             for child in self.state_dir.iterdir():
-                if keep_logs and child.name in ("logs", "cluster.json"):
+                if child.name == OWNED_MARKER or (
+                    keep_logs and child.name in ("logs", "cluster.json")
+                ):
                     continue
                 shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
         return removed
+
+    def _check_owned(self) -> None:
+        """Refuse to delete a folder a cluster did not make: ``up`` marks its state
+        directory (:data:`OWNED_MARKER`) before anything else, and only a marked directory
+        (or an empty one) is ever cleared, so a wrong ``state_dir`` (the empty path is the
+        current directory) cannot take a checkout with it.
+
+        Raises:
+            ClusterError: ``state_dir`` holds files but no mark.
+        """
+        marked = any((self.state_dir / n).exists() for n in (OWNED_MARKER, "cluster.json"))
+        if not marked and any(self.state_dir.iterdir()):
+            raise ClusterError(
+                f"{self.state_dir} is not a local cluster's state directory (no "
+                f"{OWNED_MARKER}): nothing in it was removed"
+            )
 
     def status(self) -> list[dict[str, Any]]:
         """One row per pod: name, component, IP, and whether its processes are alive."""
