@@ -166,6 +166,8 @@ def init_rank_distributed(
             rank, world_size, master_addr, master_port, backend, local_ip, join_timeout_s, store
         )
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+        if backend == "gloo" and world_size == 1:
+            skip_shared_memory_allreduce()
         deepspeed.init_distributed(
             dist_backend=backend, verbose=False, timeout=timedelta(seconds=timeout_s)
         )
@@ -256,8 +258,10 @@ def skip_shared_memory_allreduce() -> None:
     DeepSpeed 0.19's ``TorchBackend`` JIT-compiles the ``deepspeed_shm_comm`` C++ op
     whenever it initialises on a CPU accelerator (``deepspeed.comm.torch.build_shm_op``),
     with no option to decline: about 2 minutes on a 2-core machine, the first time in a
-    checkout, before the learner starts. One rank has nothing to reduce, so a single-process
-    group goes without it; with several ranks the op stays (it speeds their allreduce)."""
+    checkout, before the learner starts. One rank has nothing to reduce, so a group of one
+    (:func:`init_single_process_distributed`, or a learner group of one rank through
+    :func:`init_rank_distributed`) goes without it; with several ranks the op stays (it
+    speeds their allreduce)."""
     import importlib
 
     # by module name: ``deepspeed.comm.torch`` as an attribute is torch itself
