@@ -34,7 +34,7 @@ from services.run_records import EXIT_DISK_FULL, latest_checkpoint
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 STPPO = str(Path(sys.executable).parent / "stppo")
-NUM_STEPS = 30
+NUM_STEPS = 120  # long enough that the run outlasts 20 kills (a step takes under a second)
 BATCH = 8
 KILLS = 20
 TRIGGERS = ("time", "checkpoint", "step", "eval", "time")
