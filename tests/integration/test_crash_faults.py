@@ -10,7 +10,7 @@ that finishes must equal an uninterrupted one in its counters, with every step a
 consumed trajectory recorded exactly once. A run whose disk fills during a checkpoint stops
 with one error line (path and bytes), exit status 74, and its last checkpoint still resumes.
 
-Outside ``make test`` (``make test-faults``, marker ``faults``): the kill test takes ~20
+Outside ``make test`` (``make test-faults``, marker ``faults``): the kill test takes ~11
 minutes on 2 cores. It prints the outcome table that docs/reliability.md quotes.
 """
 
