@@ -125,10 +125,10 @@ def record_logprob_gap(
     batch: TrainingBatch, learner_logprobs: Tensor, acc: StepAccumulator, policy_version: int
 ) -> None:
     """Inference/training mismatch: mean |behaviour - learner| log-prob (nats) over the
-    staleness-0 policy tokens only (sampled by the weights the learner holds now, ``policy_version``: per
-    token, so a trajectory whose later tokens came after a mid-rollout update counts
-    those), so staleness does not leak into it. Adds 0 tokens without such a token.
-    Read at the next flush of ``acc.reads``."""
+    staleness-0 policy tokens only (sampled by the weights the learner holds now,
+    ``policy_version``: per token, so a trajectory whose later tokens came after a
+    mid-rollout update counts those), so staleness does not leak into it. Adds 0 tokens
+    without such a token. Read at the next flush of ``acc.reads``."""
     if batch.token_versions is not None:
         fresh = batch.token_versions == policy_version
     else:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from learner.memory_plan import (
     GIB,
-    MIN_MICRO_BATCH_TOKENS,
     ModelShape,
     RankMemory,
     activation_bytes,
@@ -27,6 +26,7 @@ from learner.memory_plan import (
     learner_rank_memory,
     settings_that_fit,
 )
+from learner.micro_batches import settled_token_budget
 from services.config import RunConfig
 
 PROMPT_TOKENS = 512
@@ -81,15 +81,15 @@ def gpus_needed(cfg: RunConfig) -> float:
 def micro_batch_tokens(cfg: RunConfig, shape: ModelShape, states: int, budget: int) -> int:
     """The largest micro-batch a run's learner will run, in tokens: the token budget
     (``learner.micro_batch_tokens > 0``; a longer trajectory goes alone), what the memory
-    left by the states holds (``-1``, as the learner sizes it: 0.8 of it), or
+    left by the states holds (``-1``, as the learner sizes it:
+    :func:`learner.micro_batches.settled_token_budget`), or
     ``micro_batch_size`` of the longest trajectories (0)."""
     longest = PROMPT_TOKENS + cfg.rollout.max_response_tokens
     tokens = cfg.learner.micro_batch_tokens
     if tokens > 0:
         return max(tokens, longest)
     if tokens == -1:
-        per_token = activation_bytes(shape, 1)
-        return max(MIN_MICRO_BATCH_TOKENS, int(0.8 * max(0, budget - states) / per_token))
+        return settled_token_budget(budget - states, activation_bytes(shape, 1))
     return cfg.learner.micro_batch_size * longest
 
 
