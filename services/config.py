@@ -34,6 +34,7 @@ from learner.config import (
     StrictModel,
 )
 from retrieval_server.config import RetrievalServerConfig
+from services.loop.guard import GuardConfig
 from services.retrieval_supervisor import RetrievalSupervisorConfig
 from services.tracking import TrackingConfig
 
@@ -377,6 +378,9 @@ class RunConfig(StrictModel):
 
     ray: RayConfig = RayConfig()
     """Ray cluster and resources."""
+
+    guard: GuardConfig = GuardConfig()
+    """The stability guard: rules on each step's signals, and the actions it may take."""
 
     @model_validator(mode="after")
     def _check_bias_norm_zero_stage(self) -> RunConfig:

@@ -48,6 +48,7 @@ LIVE_FIELDS: tuple[str, ...] = (
     "rollout.num_actors",
     "rollout.interrupt_every_tokens",
     "sync.every_k_steps",
+    "guard",  # the stability guard's mode and rules (guard.mode=off pauses it)
 )
 """Dotted config paths (or their prefixes) that may change while a job runs. Sampling
 temperature is not among them: the learner divides its logits by the engines' temperature,
@@ -121,6 +122,9 @@ class ControlState:
     """Set by the driver from the cluster (``ray.max_rollout_actors`` or its resources);
     a change asking for more rollout actors is refused (422) rather than left pending."""
     capacity_reason: str = ""
+    person_fields: set[str] = field(default_factory=set)
+    """Dotted fields a person changed live during the run (``source = "person"``): the
+    stability guard (:mod:`services.loop.guard`) never changes them."""
     _pending: RunConfig | None = None
     _accepted: RunConfig | None = (
         None  # newest accepted config (pending, being applied, or applied)
@@ -132,10 +136,12 @@ class ControlState:
         with self._lock:
             self.config, self._accepted, self._pending = config, config, None
 
-    def request_change(self, changes: dict[str, Any]) -> list[str]:
+    def request_change(self, changes: dict[str, Any], source: str = "person") -> list[str]:
         """Validate a nested partial change against the newest accepted config: pending, or
         taken by the driver and not yet published (so a change that lands while the driver
-        applies the previous one builds on it instead of reverting it).
+        applies the previous one builds on it instead of reverting it). ``source``:
+        ``person`` (``PATCH /config``; its fields join :attr:`person_fields`) or ``guard``
+        (the stability guard; applied the same way).
 
         Returns:
             The dotted fields this change changes.
@@ -158,6 +164,8 @@ class ControlState:
             fields = changed_fields(base, new)
             if fields:
                 self._pending = self._accepted = new
+                if source == "person":
+                    self.person_fields.update(fields)
             return fields
 
     def check_rollout_actors(self, n: int) -> None:

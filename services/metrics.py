@@ -219,6 +219,32 @@ class TrainingMetrics:
             registry=r,
         )
 
+        # -- the stability guard (services.loop.guard)
+        self.guard_decisions_total = Counter(
+            p + "guard_decisions",
+            "Stability guard decisions that were not ok, by level: warn or act (decisions).",
+            ["level"],
+            registry=r,
+        )
+        self.guard_actions_total = Counter(
+            p + "guard_actions",
+            "Config changes the stability guard requested, by ladder step (actions).",
+            ["action"],
+            registry=r,
+        )
+        self.guard_level = Gauge(
+            p + "guard_level",
+            "The stability guard's decision at the last learner step: 0 ok, 1 warn, 2 act (level).",
+            registry=r,
+        )
+        self.guard_signal = Gauge(
+            p + "guard_signal",
+            "Trailing mean of each guard rule's signal at the last learner step (the "
+            "signal's own units; NaN where not logged).",
+            ["signal"],
+            registry=r,
+        )
+
         # -- interruptible generation (rollout.interrupt_every_tokens)
         self.consumed_policy_tokens_total = Counter(
             p + "consumed_policy_tokens",
@@ -412,6 +438,24 @@ class TrainingMetrics:
     def count_config_change(self, field: str) -> None:
         """Count one applied live change of the dotted config ``field``."""
         self.config_changes_total.labels(field=_require_label("field", field)).inc()
+
+    def observe_guard(self, level: str, action: str | None, signals: Mapping[str, float]) -> None:
+        """One stability-guard decision: ``level`` (``ok``, ``warn``, ``act``), the action
+        requested (None: none) and the smoothed signals.
+
+        Raises:
+            ValueError: an unknown level.
+        """
+        levels = ("ok", "warn", "act")
+        if level not in levels:
+            raise ValueError(f"guard level must be one of {levels}, got {level!r}")
+        self.guard_level.set(levels.index(level))
+        if level != "ok":
+            self.guard_decisions_total.labels(level=level).inc()
+        if action is not None and level == "act":
+            self.guard_actions_total.labels(action=_require_label("action", action)).inc()
+        for signal, value in signals.items():
+            self.guard_signal.labels(signal=_require_label("signal", signal)).set(value)
 
     def count_retrieval_error(self, reason: str, n: int = 1) -> None:
         """Count ``n`` failed retrieval requests with ``reason`` (e.g. ``timeout``, ``http_5xx``)."""

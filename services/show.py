@@ -138,6 +138,11 @@ def render(
         steps = read_steps(path / "steps.jsonl", "step")
         if steps:
             console.print(activity_line(stabiliser_activity(steps)))
+    if path.is_dir() and (path / "guard.jsonl").exists():
+        from services.loop.guard import GUARD_LOG, log_line
+        from services.run_records import read_records as read_log
+
+        console.print(log_line(read_log(path / GUARD_LOG)))
     return len(rows)
 
 

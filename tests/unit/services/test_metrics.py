@@ -274,6 +274,7 @@ def test_exported_metric_names_match_scraped_sample_names(served):
     metrics.count_config_change("buffer.max_staleness")
     metrics.set_variant("st_ppo")
     metrics.observe_token_staleness({0: 5, 1: 3})
+    metrics.observe_guard("act", "lower_staleness", {"malformed_rate": 0.1})
     text = httpx.get(server.url, timeout=5.0).text
     scraped = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     derived = exported_metric_names(metrics.registry)

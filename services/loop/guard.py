@@ -1,0 +1,411 @@
+"""The stability guard: each learner step it reads the step record, smooths the signals
+that show a fall as it happens, and decides ``ok``, ``warn`` or ``act``.
+
+The signals are numbers the step record (``steps.jsonl``) has already: the training
+rollouts' malformed share (``malformed_rate``), the mean absolute log weight between the
+proximal and the behaviour policy (``behavior_log_ratio_abs_mean``, nats per token; the
+decoupled objective only), the k1 estimate of KL(behaviour || current) (``approx_kl``,
+nats per token), the gradient norm, the entropy... Each :class:`GuardRule` names one, a
+threshold and a level; a rule holds at a step when the trailing mean of its signal over
+``guard.window`` steps is past its threshold. The decision of a step
+(:meth:`Guard.observe`):
+
+- ``act``: an ``act`` rule has held for ``guard.patience`` steps in a row, after
+  ``guard.warmup_steps`` and outside the cooldown of the previous action;
+- ``warn``: any rule holds (also an ``act`` rule in its patience, its cooldown, or with
+  ``guard.mode = "warn"``, where the decision names the action it would have taken);
+- ``ok``: no rule holds (and always with ``guard.mode = "off"``).
+
+An ``act`` decision with ``guard.mode = "act"`` takes the first step of ``guard.ladder``
+that still applies (:func:`plan_action`): lower ``buffer.max_staleness`` (again, until
+``guard.min_staleness``), switch to the behaviour objective, lower the learning rate. Its change goes through the control plane
+like a person's (``request`` is :meth:`services.control.ControlState.request_change`), is
+applied at the next step boundary, and never touches a field a person changed live during
+the run (those steps are skipped): a person's change is never undone. ``guard.max_actions``
+bounds the actions of a run. A person pauses the guard with ``stppo ctl set
+guard.mode=warn`` (or ``off``).
+
+Not built: rolling back to the last good checkpoint (the ladder has no such step yet).
+
+Ray-free and torch-free; the driver calls :meth:`Guard.observe` once per finished learner
+step and logs every decision that is not ``ok`` (:meth:`services.loop.report.Report.guard`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field, model_validator
+
+from learner.config import StrictModel
+
+if TYPE_CHECKING:  # services.config imports this module for GuardConfig
+    from services.config import RunConfig
+
+Level = Literal["ok", "warn", "act"]
+Action = Literal["lower_staleness", "behavior_objective", "lower_lr"]
+
+LEVELS: tuple[str, ...] = ("ok", "warn", "act")
+"""Decision levels, in order (the ``stppo_guard_level`` gauge is the index)."""
+
+ACTIONS: tuple[str, ...] = ("lower_staleness", "behavior_objective", "lower_lr")
+"""The ladder's steps (:func:`plan_action`)."""
+
+
+class GuardRule(StrictModel):
+    """One rule: the trailing mean of a step-record signal past a threshold."""
+
+    signal: str = Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)
+    """A numeric key of the step record (``steps.jsonl``), e.g. ``malformed_rate``. A step
+    whose record lacks it, or holds NaN, adds nothing to the rule's window."""
+
+    above: float | None = None
+    """The rule holds when the smoothed signal is above this (in the signal's units)."""
+
+    below: float | None = None
+    """The rule holds when the smoothed signal is below this (e.g. for ``success_rate``)."""
+
+    level: Literal["warn", "act"] = "act"
+    """``warn``: logged only. ``act``: after ``guard.patience`` steps in a row, an action."""
+
+    @model_validator(mode="after")
+    def _check_one_threshold(self) -> GuardRule:
+        if (self.above is None) == (self.below is None):
+            raise ValueError(f"rule on {self.signal}: set exactly one of above / below")
+        return self
+
+    @property
+    def name(self) -> str:
+        """``malformed_rate > 0.3``: how the decision log names the rule."""
+        if self.above is not None:
+            return f"{self.signal} > {self.above:g}"
+        return f"{self.signal} < {self.below:g}"
+
+    def holds(self, value: float) -> bool:
+        """Whether ``value`` (the smoothed signal) is past the threshold (False for NaN)."""
+        if math.isnan(value):
+            return False
+        if self.above is not None:
+            return value > self.above
+        return value < self.below  # type: ignore[operator]
+
+
+def _default_rules() -> list[GuardRule]:
+    return [
+        GuardRule(signal="behavior_log_ratio_abs_mean", above=0.1, level="act"),
+        GuardRule(signal="malformed_rate", above=0.5, level="act"),
+        GuardRule(signal="approx_kl", above=0.02, level="warn"),
+        GuardRule(signal="grad_norm", above=0.9, level="warn"),
+    ]
+
+
+class GuardConfig(StrictModel):
+    """The stability guard (:mod:`services.loop.guard`): rules on the step record's signals
+    and the actions it takes before a fall. Live-tunable (``stppo ctl set guard.mode=off``
+    pauses it)."""
+
+    mode: Literal["off", "warn", "act"] = "warn"
+    """``off``: no decisions. ``warn``: decisions are logged (``guard.jsonl``, metrics, the
+    progress line) and nothing changes. ``act``: an ``act`` decision also changes the live
+    config along ``ladder``. The default logs only: acting has not been measured in a run
+    yet (docs: Stability autopilot)."""
+
+    window: int = Field(3, ge=1, le=1000)
+    """Trailing mean over this many steps (learner steps) before a rule is checked."""
+
+    patience: int = Field(1, ge=1, le=1000)
+    """Steps in a row an ``act`` rule must hold before the guard acts (learner steps)."""
+
+    warmup_steps: int = Field(5, ge=0, le=10_000_000)
+    """No decision before this learner step (the first steps' signals are noisy)."""
+
+    cooldown_steps: int = Field(5, ge=0, le=10_000_000)
+    """Learner steps after an action before the next one (its effect needs steps to show;
+    decisions in between are ``warn``)."""
+
+    rules: list[GuardRule] = Field(default_factory=_default_rules, max_length=64)
+    """The rules, each ``{signal, above | below, level}``; the defaults were set from the
+    off-policy arena's archived runs (``experiments/guard_replay.py``)."""
+
+    ladder: list[Action] = Field(
+        default_factory=lambda: ["lower_staleness", "behavior_objective", "lower_lr"],
+        max_length=16,
+    )
+    """Actions in order; each ``act`` takes the first one that still applies
+    (``lower_staleness`` again until ``min_staleness``; a step that does not apply, or
+    changes a field a person changed live, is skipped)."""
+
+    max_actions: int = Field(3, ge=0, le=1000)
+    """Actions per run at most; once spent, ``act`` decisions are logged as ``warn``."""
+
+    staleness_factor: float = Field(0.25, gt=0.0, lt=1.0)
+    """``lower_staleness``: the new ``buffer.max_staleness`` is the old one times this,
+    rounded down, at least ``min_staleness``."""
+
+    min_staleness: int = Field(1, ge=0, le=10_000)
+    """``lower_staleness`` never goes below this bound (learner steps)."""
+
+    lr_factor: float = Field(0.5, gt=0.0, lt=1.0)
+    """``lower_lr``: ``learner.actor_lr`` is multiplied by this."""
+
+
+@dataclass
+class Decision:
+    """One step's decision (written to ``guard.jsonl`` when not ``ok``).
+
+    Attributes:
+        step: the learner step whose record was read.
+        level: ``ok``, ``warn`` or ``act`` (``act`` only when an action was requested).
+        mode: ``guard.mode`` at the step.
+        rule: the rule that decided (the first ``act`` rule past its patience, else the first
+            rule that holds); None when ``ok``.
+        signals: each rule signal's trailing mean (NaN where not logged).
+        holding: the names of every rule that holds.
+        action: the ladder step taken, or that would have been taken (``would_act``).
+        would_act: an ``act`` rule is past its patience but no action was taken.
+        reason: why not (``mode warn``, ``cooldown``, ``warmup``, ``budget spent``,
+            ``ladder spent``) or what a refused step said.
+        before, after: the dotted config fields the action changed, before and after.
+    """
+
+    step: int
+    level: Level
+    mode: str
+    rule: str | None = None
+    signals: dict[str, float] = field(default_factory=dict)
+    holding: list[str] = field(default_factory=list)
+    action: str | None = None
+    would_act: bool = False
+    reason: str = ""
+    before: dict[str, Any] = field(default_factory=dict)
+    after: dict[str, Any] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """The ``guard.jsonl`` line (NaN signals as None)."""
+        signals = {k: (None if math.isnan(v) else round(v, 6)) for k, v in self.signals.items()}
+        return {
+            "step": self.step, "level": self.level, "mode": self.mode, "rule": self.rule,
+            "holding": self.holding, "signals": signals, "action": self.action,
+            "would_act": self.would_act, "reason": self.reason,
+            "before": self.before, "after": self.after,
+        }  # fmt: skip
+
+
+@dataclass
+class Plan:
+    """An action's config change: the nested partial change for the control plane and the
+    dotted fields it changes, before and after."""
+
+    changes: dict[str, Any]
+    before: dict[str, Any]
+    after: dict[str, Any]
+
+
+def plan_action(action: str, cfg: RunConfig, guard: GuardConfig) -> Plan | None:
+    """The config change of one ladder step on ``cfg``; None where it does not apply.
+
+    - ``lower_staleness``: ``buffer.max_staleness`` to ``max(min_staleness,
+      floor(s * staleness_factor))`` (None if that is not lower), with ``sync.every_k_steps``
+      lowered to the new bound + 1 where it exceeds it;
+    - ``behavior_objective``: ``algorithm.off_policy`` to ``behavior`` (the rollout
+      correction, M2PO and the log-linear proximal, which need ``decoupled``, unset; None
+      if already ``behavior``);
+    - ``lower_lr``: ``learner.actor_lr`` times ``lr_factor``.
+
+    Raises:
+        ValueError: an unknown action.
+    """
+    if action == "lower_staleness":
+        old = cfg.buffer.max_staleness
+        new = max(guard.min_staleness, math.floor(old * guard.staleness_factor))
+        if new >= old:
+            return None
+        changes: dict[str, Any] = {"buffer": {"max_staleness": new}}
+        before, after = {"buffer.max_staleness": old}, {"buffer.max_staleness": new}
+        if cfg.sync.every_k_steps > new + 1:
+            changes["sync"] = {"every_k_steps": new + 1}
+            before["sync.every_k_steps"] = cfg.sync.every_k_steps
+            after["sync.every_k_steps"] = new + 1
+        return Plan(changes, before, after)
+    if action == "behavior_objective":
+        algo = cfg.algorithm
+        if algo.off_policy == "behavior":
+            return None
+        changes = {"algorithm": {"off_policy": "behavior", "rollout_correction": None,
+                                 "m2po_threshold": None, "proximal": "recompute"}}  # fmt: skip
+        before = {"algorithm.off_policy": algo.off_policy}
+        if algo.rollout_correction is not None:
+            before["algorithm.rollout_correction"] = algo.rollout_correction.model_dump()
+        if algo.m2po_threshold is not None:
+            before["algorithm.m2po_threshold"] = algo.m2po_threshold
+        if algo.proximal != "recompute":
+            before["algorithm.proximal"] = algo.proximal
+        after = {k: ("behavior" if k == "algorithm.off_policy" else
+                     "recompute" if k == "algorithm.proximal" else None) for k in before}  # fmt: skip
+        return Plan(changes, before, after)
+    if action == "lower_lr":
+        old_lr = cfg.learner.actor_lr
+        new_lr = old_lr * guard.lr_factor
+        return Plan({"learner": {"actor_lr": new_lr}}, {"learner.actor_lr": old_lr},
+                    {"learner.actor_lr": new_lr})  # fmt: skip
+    raise ValueError(f"unknown guard action {action!r} (known: {', '.join(ACTIONS)})")
+
+
+def _touches(plan: Plan, person_fields: Collection[str]) -> bool:
+    """Whether ``plan`` changes a field a person changed (or one inside / above it)."""
+    return any(
+        f == p or f.startswith(f"{p}.") or p.startswith(f"{f}.")
+        for f in plan.after for p in person_fields
+    )  # fmt: skip
+
+
+class Guard:
+    """The per-run guard state: each signal's recent values, each rule's streak, the actions
+    taken (module docstring). One instance per run; not saved in checkpoints (a resumed run
+    starts with empty windows and its full action budget).
+
+    :meth:`observe` reads the ``guard`` section of the config it is given each step, so a
+    live change of the rules or the mode applies at once.
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[str, deque[float]] = {}
+        self.streaks: dict[str, int] = {}
+        self.actions: list[Decision] = []
+        self.last_action_step: int | None = None
+        self.decisions: dict[str, int] = {level: 0 for level in LEVELS}
+
+    def smoothed(self, signal: str, window: int) -> float:
+        """Trailing mean of the last ``window`` finite values of ``signal`` (NaN if none)."""
+        values = list(self.values.get(signal, ()))[-window:]
+        return sum(values) / len(values) if values else math.nan
+
+    def _update(self, record: Mapping[str, Any], rules: list[GuardRule]) -> None:
+        for signal in {r.signal for r in rules}:
+            value = record.get(signal)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if math.isfinite(value):
+                self.values.setdefault(signal, deque(maxlen=1000)).append(float(value))
+
+    def observe(
+        self,
+        record: Mapping[str, Any],
+        cfg: RunConfig,
+        person_fields: Collection[str] = (),
+        request: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> Decision:
+        """Read one step record and decide (module docstring).
+
+        Args:
+            record: the step's ``steps.jsonl`` record (``step`` and the signals).
+            cfg: the live run config (its ``guard`` section and the fields an action reads).
+            person_fields: dotted fields a person changed live during the run (never touched).
+            request: sends an action's nested change to the control plane
+                (:meth:`services.control.ControlState.request_change`); a step it refuses
+                (``ValueError``, e.g. :class:`services.config.ConfigError`) is skipped for
+                the next one. None: decide only (the offline replay), as if every step of
+                the ladder had been accepted.
+
+        Returns:
+            The :class:`Decision`; ``act`` only when an action was requested (or, with
+            ``request`` None, would have been).
+        """
+        g = cfg.guard
+        step = int(record.get("step", 0))
+        self._update(record, g.rules)
+        signals = {r.signal: self.smoothed(r.signal, g.window) for r in g.rules}
+        holding = [r for r in g.rules if r.holds(signals[r.signal])]
+        for r in g.rules:
+            self.streaks[r.name] = self.streaks.get(r.name, 0) + 1 if r in holding else 0
+        if g.mode == "off" or step < g.warmup_steps or not holding:
+            decision = Decision(step, "ok", g.mode, signals=signals)
+            self.decisions["ok"] += 1
+            return decision
+        ready = [r for r in holding if r.level == "act" and self.streaks[r.name] >= g.patience]
+        decision = Decision(
+            step, "warn", g.mode, rule=(ready or holding)[0].name, signals=signals,
+            holding=[r.name for r in holding],
+        )  # fmt: skip
+        if ready:
+            self._act(decision, cfg, person_fields, request)
+        self.decisions[decision.level] += 1
+        return decision
+
+    def _act(
+        self,
+        decision: Decision,
+        cfg: RunConfig,
+        person_fields: Collection[str],
+        request: Callable[[dict[str, Any]], Any] | None,
+    ) -> None:
+        """Take (or name) the next ladder step for a decision whose act rule is ready."""
+        g = cfg.guard
+        decision.would_act = True
+        if self.last_action_step is not None and (
+            decision.step - self.last_action_step < g.cooldown_steps
+        ):
+            decision.reason = "cooldown"
+            return
+        if len(self.actions) >= g.max_actions:
+            decision.reason = "budget spent"
+            return
+        refused = []
+        for action in g.ladder:
+            plan = plan_action(action, cfg, g)
+            if plan is None or _touches(plan, person_fields):
+                continue
+            if g.mode != "act":
+                decision.action, decision.before, decision.after = action, plan.before, plan.after
+                decision.reason = f"mode {g.mode}"
+                return
+            if request is not None:
+                try:
+                    request(plan.changes)
+                except ValueError as e:
+                    refused.append(f"{action}: {e}")
+                    continue
+            decision.level, decision.would_act, decision.action = "act", False, action
+            decision.before, decision.after = plan.before, plan.after
+            decision.reason = "; ".join(refused)
+            self.actions.append(decision)
+            self.last_action_step = decision.step
+            return
+        decision.reason = "; ".join(["ladder spent", *refused])
+
+
+GUARD_LOG = "guard.jsonl"
+"""The decision log in the run directory: one :meth:`Decision.record` per decision that is
+not ``ok``."""
+
+
+def log_line(records: list[dict[str, Any]], mode: str | None = None) -> str:
+    """One line over a run's ``guard.jsonl`` records (``stppo show``, the end of a run):
+    warnings, the steps the guard would have acted at, and its actions.
+
+    Example: ``stability guard (mode warn): 4 warnings from step 21; would have acted at
+    step 23 (lower_staleness, behavior_objective ...); no action``.
+    """
+    head = f"stability guard (mode {mode})" if mode else "stability guard"
+    if not records:
+        return f"{head}: no warning"
+    warns = [r for r in records if r.get("level") == "warn"]
+    acts = [r for r in records if r.get("level") == "act"]
+    would = [r for r in warns if r.get("would_act")]
+    parts = [f"{len(warns)} warning{'s' * (len(warns) != 1)} from step {records[0]['step']}"]
+    if would:
+        parts.append(
+            f"would have acted at step {would[0]['step']} ({would[0].get('rule')}: "
+            f"{would[0].get('action') or would[0].get('reason')})"
+        )
+    if acts:
+        parts.append("acted: " + ", ".join(
+            f"{r['action']} at step {r['step']} ({r['rule']})" for r in acts
+        ))  # fmt: skip
+    else:
+        parts.append("no action")
+    return f"{head}: " + "; ".join(parts)
