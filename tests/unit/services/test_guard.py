@@ -21,7 +21,12 @@ from services.loop.guard import Guard, GuardRule, log_line, plan_action
 from services.loop.report import Report
 from services.metrics import TrainingMetrics, exported_metric_names
 
-DECOUPLED = ["algorithm.variant=st_ppo", "algorithm.off_policy=decoupled", "buffer.max_staleness=16", "guard.mode=act"]
+DECOUPLED = [
+    "algorithm.variant=st_ppo",
+    "algorithm.off_policy=decoupled",
+    "buffer.max_staleness=16",
+    "guard.mode=act",
+]
 
 
 def healthy(n: int = 40) -> list[dict]:
