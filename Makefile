@@ -49,10 +49,12 @@ lint:
 # The docs site (mkdocs.yml) into site/: strict, so a broken link or anchor, an absolute
 # link or a page left out of the navigation fails the build. NO_MKDOCS_2_WARNING silences
 # the Material theme's banner about MkDocs 2.0, printed at every build. Then the built pages
-# must load nothing from outside the site (no CDN script, style or font).
+# must load nothing from outside the site (no CDN script, style or font), and the docs must
+# name only existing `stppo` commands and flags and repository files (also a unit test).
 docs:
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 	.venv/bin/python scripts/check_site_offline.py site
+	.venv/bin/python scripts/check_docs_refs.py
 
 # Mutation testing of the core modules ([tool.mutmut] in pyproject.toml; not part of `make
 # test`, ~10 min on 2 cores): every mutant must fail a test; the report lists survivors and
