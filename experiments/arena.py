@@ -1,11 +1,12 @@
-"""The off-policy arena's leaderboards: one per staleness, methods ranked by final success.
+"""The off-policy arena's leaderboards: one per staleness, methods ranked failures first.
 
 An arena is an experiment grid (:mod:`experiments.grid`) over ``method`` (named bundles
 of overrides: a variant, an objective, a correction) and ``buffer.max_staleness``, with an
 on-policy reference point; ``deploy/configs/experiments/arena.toml`` is the shipped one. For
 every (method, staleness) cell, over its seeds (:class:`LeaderboardRow`):
 
-- final greedy validation success: IQM with a 95% percentile-bootstrap interval (scipy);
+- final greedy validation success: IQM with a 95% percentile-bootstrap interval (scipy),
+  and the mean;
 - gain over the start (the same questions before RL), mean with a bootstrap interval;
 - collapse rate (:func:`experiments.collapse.run_collapsed`) with a Wilson interval, and the
   share of runs that *ended low*: final success more than :data:`LOW_MARGIN` below the
@@ -27,6 +28,12 @@ every (method, staleness) cell, over its seeds (:class:`LeaderboardRow`):
   runs share a sitting and a machine; runs share the machine two at a time, so this ratio
   is indicative to ~10%);
 - the log-linear proximal approximation's mean error where the proximal is recomputed.
+
+Ranking (:func:`rank_key`): within each staleness, the cell with fewer runs that *ended
+low* first, then the higher mean final success (a user choosing a correction needs the
+failures first; the IQM drops each cell's lowest quarter of runs, where its falls are), then
+the method's name. The IQM and its interval stay as columns, and bold rows still mark the
+intervals that overlap the highest IQM's.
 
 And over every step of every run: ``||C|| / tau`` with the default ``tau`` (0.01), the
 quantity the ST-PPO scale acts on (``s < 1`` iff it exceeds 1): its quantiles per method and
@@ -204,6 +211,8 @@ class LeaderboardRow:
     """Runs degrading at the end: ``malformed_end`` above :data:`DEGRADING_MALFORMED`."""
     degrading_ci: tuple[float, float] = (math.nan, math.nan)
     """Wilson interval of ``degrading / runs``."""
+    val_success_mean: float = math.nan
+    """Mean final success over the runs (the ranking's second key, :func:`rank_key`)."""
     overlaps_best: bool = False
 
 
@@ -232,9 +241,10 @@ def low_threshold(runs: Sequence[ArenaRun], on_policy_staleness: int = 0) -> flo
 def leaderboard(
     runs: Sequence[ArenaRun], baseline: str | None, on_policy_staleness: int = 0
 ) -> list[LeaderboardRow]:
-    """Rows of every (method, staleness) cell with a stale level, best IQM first within
-    each staleness (the on-policy cells get their own board). ``baseline``: the method the
-    probability of improvement and the step time compare with (None: not compared)."""
+    """Rows of every (method, staleness) cell, ranked within each staleness by
+    :func:`rank_key` (fewest ended low, then the highest mean; the on-policy cells get their
+    own board). ``baseline``: the method the probability of improvement and the step time
+    compare with (None: not compared)."""
     cells: dict[tuple[str, int], list[ArenaRun]] = {}
     for r in runs:
         cells.setdefault((r.method, r.staleness), []).append(r)
@@ -283,11 +293,22 @@ def leaderboard(
                 malformed_end_per_seed=[r.malformed_end for r in rs],
                 degrading=degrading,
                 degrading_ci=wilson_ci(degrading, len(rs)),
+                val_success_mean=_mean(val),
             )
         )
-    rows.sort(key=lambda r: (r.staleness, -_nan_low(r.val_success_iqm), r.method))
+    rows.sort(key=rank_key)
     _mark_overlaps(rows)
     return rows
+
+
+def rank_key(row: LeaderboardRow) -> tuple[int, int, float, str]:
+    """Sort key of a board's rows: staleness, then runs that ended low (fewest first), then
+    the mean final success (highest first; NaN last), then the method's name.
+
+    Example: at one staleness, a cell with 0 of 10 ended low and mean 0.27 ranks above one
+    with 2 of 10 ended low and mean 0.29 (and IQM 0.29: its falls are in the trimmed
+    quarter)."""
+    return (row.staleness, row.ended_low, -_nan_low(row.val_success_mean), row.method)
 
 
 def step_time_ratio(runs: Sequence[ArenaRun], base: Sequence[ArenaRun]) -> float:
@@ -500,29 +521,32 @@ def leaderboard_markdown(
     baseline: str | None,
     power: Sequence[BoardPower] = (),
 ) -> str:
-    """One table per staleness (best first; a row in bold overlaps the best's interval) with
-    its power line (:func:`board_power`), the ``||C|| / tau`` table, and how to read them."""
+    """One table per staleness (ranked by :func:`rank_key`: fewest ended low, then the
+    highest mean; a row in bold overlaps the interval of the highest IQM) with its power
+    line (:func:`board_power`), the ``||C|| / tau`` table, and how to read them."""
     powers = {p.staleness: p for p in power}
     out = []
     for staleness in sorted({r.staleness for r in rows}):
         out.append(f"### Staleness {staleness}\n")
         out.append(
-            "| method | runs | val success IQM [95% CI] | gain over start | collapsed "
-            "[Wilson] | ended low [Wilson] | degrading at the end [Wilson] | "
+            "| method | runs | ended low [Wilson] | val success mean | val success IQM "
+            "[95% CI] | gain over start | collapsed [Wilson] | degrading at the end [Wilson] | "
             "P(improve over baseline) | vs on-policy | "
             + " | ".join(m.label for m in MECHANISMS)
             + " | s min (steps < 1) | step time vs baseline | proximal approx error |"
         )
         out.append(
-            "|---|---:|---|---|---|---|---|---|---|" + "---:|" * len(MECHANISMS) + "---|---:|---:|"
+            "|---|---:|---|---:|---|---|---|---|---|---|"
+            + "---:|" * len(MECHANISMS)
+            + "---|---:|---:|"
         )
         for r in (r for r in rows if r.staleness == staleness):
             name = f"**{r.method}**" if r.overlaps_best else r.method
             out.append(
-                f"| {name} | {r.runs} | {_f(r.val_success_iqm)}{_ci(r.val_success_iqm_ci)} | "
+                f"| {name} | {r.runs} | {_ended_low(r)} | {_f(r.val_success_mean)} | "
+                f"{_f(r.val_success_iqm)}{_ci(r.val_success_iqm_ci)} | "
                 f"{_f(r.gain_mean)}{_ci(r.gain_ci)} | {r.collapsed}/{r.judged}"
-                f"{_ci(r.collapse_ci)} | {_ended_low(r)} | "
-                f"{r.degrading}/{r.runs}{_ci(r.degrading_ci)} | "
+                f"{_ci(r.collapse_ci)} | {r.degrading}/{r.runs}{_ci(r.degrading_ci)} | "
                 f"{_f(r.poi_vs_baseline, 2)}{_ci(r.poi_vs_baseline_ci)} | "
                 f"{_f(r.vs_on_policy)}{_ci(r.vs_on_policy_ci)} | "
                 + " | ".join(_pct(r.shares[m.field]) for m in MECHANISMS)
@@ -546,9 +570,11 @@ def leaderboard_markdown(
         )
     out.append("")
     out.append(
-        "Val success: greedy success on the held-out questions at the end of each run; IQM "
-        "(mean of the middle 50% of seeds) with a 95% percentile-bootstrap interval over "
-        "seeds; bold rows overlap the best row's interval. Gain: end minus start of the same "
+        "Rows are ranked by the runs that ended low (fewest first), then by the mean final "
+        "success. Val success: greedy success on the held-out questions at the end of each "
+        "run; its mean over seeds, and its IQM (mean of the middle 50% of seeds) with a 95% "
+        "percentile-bootstrap interval over seeds; bold rows overlap the interval of the "
+        "highest IQM. Gain: end minus start of the same "
         "evaluation, mean and bootstrap interval. Collapsed: the experiment's collapse rule, "
         f"Wilson interval. Ended low: final success more than {LOW_MARGIN} below the median "
         "of the on-policy runs, Wilson interval. Degrading at the end: the training "
@@ -585,21 +611,22 @@ def acted_on(row: LeaderboardRow) -> str:
 
 
 def summary_markdown(rows: list[LeaderboardRow], baseline: str | None) -> str:
-    """The leaderboards in the short form the results page shows: per staleness, each
-    cell's runs, IQM with its interval, gain, collapsed, ended-low and degrading counts,
-    probability of improvement over ``baseline``, difference to on-policy, every seed's
-    final success (sorted, ascending) and what acted (:func:`acted_on`). Bold rows overlap
-    the best's."""
+    """The leaderboards in the short form the results page shows, ranked by
+    :func:`rank_key`: per staleness, each cell's runs, ended-low count, mean, IQM with its
+    interval, gain, collapsed and degrading counts, probability of improvement over
+    ``baseline``, difference to on-policy, every seed's final success (sorted, ascending)
+    and what acted (:func:`acted_on`). Bold rows overlap the interval of the highest IQM."""
     out = []
     for staleness in sorted({r.staleness for r in rows}):
         out.append(f"**Staleness {staleness}**\n")
         out.append(
-            "| method | runs | val success IQM [95% CI] | gain over start | collapsed | "
-            f"ended low | degrading at the end | P(improve over {baseline or 'baseline'}) | "
+            "| method | runs | ended low | val success mean | val success IQM [95% CI] | "
+            "gain over start | collapsed | degrading at the end | "
+            f"P(improve over {baseline or 'baseline'}) | "
             "vs on-policy | "
             "final success per seed (sorted) | acted on (share of tokens) |"
         )
-        out.append("|---|---:|---|---|---|---|---|---|---|---|---|")
+        out.append("|---|---:|---|---:|---|---|---|---|---|---|---|---|")
         for r in (r for r in rows if r.staleness == staleness):
             name = f"**{r.method}**" if r.overlaps_best else r.method
             low = "-" if math.isnan(r.ended_low_ci[0]) else f"{r.ended_low}/{r.runs}"
@@ -607,8 +634,9 @@ def summary_markdown(rows: list[LeaderboardRow], baseline: str | None) -> str:
             vs = "-" if math.isnan(r.vs_on_policy) else f"{r.vs_on_policy:+.3f}"
             finals = " ".join(f"{v:.3f}" for v in sorted(r.val_success_per_seed))
             out.append(
-                f"| {name} | {r.runs} | {_f(r.val_success_iqm)}{_ci(r.val_success_iqm_ci)} | "
-                f"{gain} | {r.collapsed}/{r.judged} | {low} | {r.degrading}/{r.runs} | "
+                f"| {name} | {r.runs} | {low} | {_f(r.val_success_mean)} | "
+                f"{_f(r.val_success_iqm)}{_ci(r.val_success_iqm_ci)} | "
+                f"{gain} | {r.collapsed}/{r.judged} | {r.degrading}/{r.runs} | "
                 f"{_f(r.poi_vs_baseline, 2)}{_ci(r.poi_vs_baseline_ci)} | "
                 f"{vs}{_ci(r.vs_on_policy_ci)} | {finals} | {acted_on(r)} |"
             )
@@ -617,7 +645,8 @@ def summary_markdown(rows: list[LeaderboardRow], baseline: str | None) -> str:
 
 
 def plot_intervals(rows: list[LeaderboardRow], path: Path) -> Path:
-    """One panel per staleness: each method's IQM with its 95% interval, best on top."""
+    """One panel per staleness: each method's IQM with its 95% interval, in the board's
+    order (:func:`rank_key`) from the top."""
     import matplotlib
 
     matplotlib.use("Agg")

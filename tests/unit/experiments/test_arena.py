@@ -65,7 +65,7 @@ def test_leaderboard_ranks_compares_and_counts(tmp_path: Path):
     runs = [read_run(d, RULE) for d in dirs]
     rows = leaderboard(runs, baseline="base")
     board = [r for r in rows if r.staleness == 4]
-    assert [r.method for r in board] == ["good", "base"]  # best IQM first
+    assert [r.method for r in board] == ["good", "base"]  # fewer ended low (2 vs 3) first
     good = board[0]
     # IQM of 3 values cuts floor(0.75) = 0 from each end: the mean, 0.6
     assert good.val_success_iqm == pytest.approx(0.6)
@@ -132,20 +132,24 @@ def test_summary_lists_every_seed_and_what_acted(tmp_path: Path):
     assert acted_on(rows[0]) == "nothing"  # the on-policy run logged no shares at all
     text = summary_markdown(rows, "base")
     assert (
-        "| method | runs | val success IQM [95% CI] | gain over start | collapsed | ended "
-        "low | degrading at the end | P(improve over base) |" in text
+        "| method | runs | ended low | val success mean | val success IQM [95% CI] | gain "
+        "over start | collapsed | degrading at the end | P(improve over base) |" in text
     )
     # st: IQM of (0.5, 0.6) = 0.55, gain 0.45 over the start 0.1, both above 0.55 - 0.05:
     # none ended low; every st run beats every base run; 0.55 - 0.55 on-policy = 0
     line = next(x for x in text.splitlines() if x.startswith("| **st** "))
     assert line.startswith(
-        "| **st** | 2 | 0.550 [0.50, 0.60] | +0.450 [0.40, 0.50] | 0/2 | 0/2 | 1/2 | 1.00 [1.00, "
-        "1.00] |"
+        "| **st** | 2 | 0/2 | 0.550 | 0.550 [0.50, 0.60] | +0.450 [0.40, 0.50] | 0/2 | 1/2 | "
+        "1.00 [1.00, 1.00] |"
     )
     # (one on-policy run: no interval for the difference)
     assert "| +0.000 | 0.500 0.600 | MIS 0.10%, s >= 0.50" in line
     line = next(x for x in text.splitlines() if x.startswith("| base "))
-    assert "| 2/2 | 0/2 |" in line and "| - |" in line and "| 0.200 0.300 | clipped 0.40% |" in line
+    assert (
+        line.startswith("| base | 2 | 2/2 | 0.250 |")
+        and "| - |" in line
+        and "| 0.200 0.300 | clipped 0.40% |" in line
+    )
     assert st.malformed_end_per_seed == pytest.approx([0.1, 0.2])
     assert st.degrading_ci == pytest.approx((0.0945, 0.9055), abs=1e-4)  # Wilson, 1 of 2
 
@@ -211,7 +215,7 @@ def test_write_leaderboards_writes_tables_and_figures(tmp_path: Path):
     for name in ("intervals", "curves", "bias_norm"):
         assert (tmp_path / "out" / f"leaderboard_{name}.png").stat().st_size > 0
     summary = (tmp_path / "out" / "leaderboard_summary.md").read_text()
-    assert "| **a** | 2 | 0.350 [0.30, 0.40] |" in summary
+    assert "| **a** | 2 | - | 0.350 | 0.350 [0.30, 0.40] |" in summary
     assert summary.count("**Staleness 4**") == 1
 
 
@@ -253,3 +257,20 @@ def test_leaderboard_header_says_what_ran_where(tmp_path: Path):
     assert "(5 seeds in 1 cell, 3 seeds in 2 cells), the slice seed in [0, 1, 2]." in sliced
     alone = leaderboard_header(runs[:1], math.nan, None)
     assert alone == "# Leaderboards\n\n3 finished runs, 1 cell (3 seeds in 1 cell).\n\n"
+
+
+def test_boards_rank_failures_first_then_the_mean(tmp_path: Path):
+    """A cell that lost a run ranks below every cell that lost none, whatever its IQM (which
+    trims the lost run away); among equals the higher mean ranks first."""
+    dirs = [write_run(tmp_path, "base", 0, seed, 0.5) for seed in range(3)]  # low: < 0.45
+    dirs += [write_run(tmp_path, "steady", 4, seed, 0.5) for seed in range(4)]
+    dirs += [write_run(tmp_path, "mid", 4, seed, 0.48) for seed in range(4)]
+    dirs += [
+        write_run(tmp_path, "spiky", 4, seed, v) for seed, v in enumerate((0.0, 0.7, 0.7, 0.7))
+    ]
+    rows = [r for r in leaderboard([read_run(d, RULE) for d in dirs], None) if r.staleness == 4]
+    assert [r.method for r in rows] == ["steady", "mid", "spiky"]
+    spiky = rows[2]
+    assert (spiky.ended_low, spiky.val_success_mean) == (1, pytest.approx(0.525))
+    assert spiky.val_success_iqm == pytest.approx(0.7)  # the highest IQM, ranked last
+    assert spiky.overlaps_best  # bold still marks the interval of the highest IQM
