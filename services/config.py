@@ -34,7 +34,6 @@ from learner.config import (
     StrictModel,
 )
 from retrieval_server.config import RetrievalServerConfig
-from services.loop.guard import GuardConfig
 from services.retrieval_supervisor import RetrievalSupervisorConfig
 from services.tracking import TrackingConfig
 
@@ -329,6 +328,99 @@ class RayConfig(StrictModel):
 
     max_actor_restarts: int = Field(3, ge=0)
     """Restarts of a crashed rollout actor before the run fails."""
+
+
+GuardAction = Literal["lower_staleness", "behavior_objective", "lower_lr"]
+"""A step of the stability guard's ladder (:func:`services.loop.guard.plan_action`)."""
+
+
+class GuardRule(StrictModel):
+    """One rule: the trailing mean of a step-record signal past a threshold."""
+
+    signal: str = Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)
+    """A numeric key of the step record (``steps.jsonl``), e.g. ``malformed_rate``. A step
+    whose record lacks it, or holds NaN, adds nothing to the rule's window."""
+
+    above: float | None = None
+    """The rule holds when the smoothed signal is above this (in the signal's units)."""
+
+    below: float | None = None
+    """The rule holds when the smoothed signal is below this (e.g. for ``success_rate``)."""
+
+    level: Literal["warn", "act"] = "act"
+    """``warn``: logged only. ``act``: after ``guard.patience`` steps in a row, an action."""
+
+    @model_validator(mode="after")
+    def _check_one_threshold(self) -> GuardRule:
+        if (self.above is None) == (self.below is None):
+            raise ValueError(f"rule on {self.signal}: set exactly one of above / below")
+        return self
+
+    @property
+    def name(self) -> str:
+        """``malformed_rate > 0.5``: how the decision log names the rule."""
+        if self.above is not None:
+            return f"{self.signal} > {self.above:g}"
+        return f"{self.signal} < {self.below:g}"
+
+
+def _default_rules() -> list[GuardRule]:
+    return [
+        GuardRule(signal="behavior_log_ratio_abs_mean", above=0.1, level="act"),
+        GuardRule(signal="malformed_rate", above=0.5, level="act"),
+        GuardRule(signal="approx_kl", above=0.02, level="warn"),
+        GuardRule(signal="grad_norm", above=0.9, level="warn"),
+    ]
+
+
+class GuardConfig(StrictModel):
+    """The stability guard (:mod:`services.loop.guard`): rules on the step record's signals
+    and the actions it takes before a fall. Live-tunable (``stppo ctl set guard.mode=off``
+    pauses it)."""
+
+    mode: Literal["off", "warn", "act"] = "warn"
+    """``off``: no decisions. ``warn``: decisions are logged (``guard.jsonl``, metrics, the
+    progress line) and nothing changes. ``act``: an ``act`` decision also changes the live
+    config along ``ladder``. The default logs only: acting has not been measured in a run
+    yet (docs: Stability autopilot)."""
+
+    window: int = Field(3, ge=1, le=1000)
+    """Trailing mean over this many steps (learner steps) before a rule is checked."""
+
+    patience: int = Field(1, ge=1, le=1000)
+    """Steps in a row an ``act`` rule must hold before the guard acts (learner steps)."""
+
+    warmup_steps: int = Field(5, ge=0, le=10_000_000)
+    """No decision before this learner step (the first steps' signals are noisy)."""
+
+    cooldown_steps: int = Field(5, ge=0, le=10_000_000)
+    """Learner steps after an action before the next one (its effect needs steps to show;
+    decisions in between are ``warn``)."""
+
+    rules: list[GuardRule] = Field(default_factory=_default_rules, max_length=64)
+    """The rules, each ``{signal, above | below, level}``; the defaults were set from the
+    off-policy arena's archived runs (``experiments/guard_replay.py``)."""
+
+    ladder: list[GuardAction] = Field(
+        default_factory=lambda: ["lower_staleness", "behavior_objective", "lower_lr"],
+        max_length=16,
+    )
+    """Actions in order; each ``act`` takes the first one that still applies
+    (``lower_staleness`` again until ``min_staleness``; a step that does not apply, or
+    changes a field a person changed live, is skipped)."""
+
+    max_actions: int = Field(3, ge=0, le=1000)
+    """Actions per run at most; once spent, ``act`` decisions are logged as ``warn``."""
+
+    staleness_factor: float = Field(0.25, gt=0.0, lt=1.0)
+    """``lower_staleness``: the new ``buffer.max_staleness`` is the old one times this,
+    rounded down, at least ``min_staleness``."""
+
+    min_staleness: int = Field(1, ge=0, le=10_000)
+    """``lower_staleness`` never goes below this bound (learner steps)."""
+
+    lr_factor: float = Field(0.5, gt=0.0, lt=1.0)
+    """``lower_lr``: ``learner.actor_lr`` is multiplied by this."""
 
 
 class RunConfig(StrictModel):

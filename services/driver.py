@@ -32,7 +32,6 @@ from services.atomic import write_atomic
 from services.config import RunConfig
 from services.control import ControlState, public_config
 from services.loop.checkpoint import CheckpointStore, DriverState
-from services.loop.guard import Guard
 from services.run_records import TrainingInterrupted
 
 
@@ -68,7 +67,6 @@ class Driver:
         self.checkpoints = CheckpointStore(
             cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.every_k_steps
         )
-        self.guard = Guard()  # the stability guard (services.loop.guard)
         self.services: Any = None  # services.loop.bootstrap.Services, once run() starts
         self._run_started_s = time.perf_counter()
 
@@ -89,8 +87,6 @@ class Driver:
             install_sigterm(self.stop_requested, self.report.say)
             self._train_loop()
             self.report.stabilisers(self.services.run_dir)
-            if self.cfg.guard.mode != "off":
-                self.report.guard_summary(self.services.run_dir, self.cfg.guard.mode)
             if self.checkpoints.last_saved_step != self.state.learner_step:
                 self._checkpoint()
             if self.interrupted:  # not the end: no final evaluation, the caller exits non-zero
@@ -114,7 +110,7 @@ class Driver:
 
     def _start(self) -> None:
         """Open the run directory, start the services, build the parts."""
-        from services.loop import bootstrap
+        from services.loop import autopilot, bootstrap
         from services.loop.parts import build_parts
 
         bootstrap.preflight(self.cfg)
@@ -124,6 +120,7 @@ class Driver:
         self.report, self.learner, self.sampler = p.report, p.learner, p.sampler
         self.fleet, self.sync, self.pipeline, self.phases = p.fleet, p.sync, p.pipeline, p.phases
         self.targets = p.targets  # where a new config takes effect
+        self.autopilot = autopilot.Autopilot(self.control, self.services, self.report.say)
 
     # ------------------------------------------------------------------ the loop
 
@@ -216,18 +213,9 @@ class Driver:
         self.report.step_done(
             record, self.state, stats, [s.engine_version for s in self.fleet.slots]
         )
-        self._guard(record)
+        self.autopilot.step(record, self.cfg)  # the stability guard (services.loop.guard)
         if self.checkpoints.due(self.state.learner_step):
             self._checkpoint()
-
-    def _guard(self, record: dict[str, Any]) -> None:
-        """The stability guard reads the step record; an action it takes is a live change
-        through the control plane, applied at the next step boundary like a person's."""
-        decision = self.guard.observe(
-            record, self.cfg, self.control.person_fields,
-            lambda changes: self.control.request_change(changes, source="guard"),
-        )  # fmt: skip
-        self.report.guard(decision)
 
     # ------------------------------------------------------------------ phases
 

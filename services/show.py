@@ -139,10 +139,11 @@ def render(
         if steps:
             console.print(activity_line(stabiliser_activity(steps)))
     if path.is_dir() and (path / "guard.jsonl").exists():
-        from services.loop.guard import GUARD_LOG, log_line
+        from services.loop.autopilot import GUARD_LOG, log_line
         from services.run_records import read_records as read_log
 
-        console.print(log_line(read_log(path / GUARD_LOG)))
+        decisions = read_log(path / GUARD_LOG)
+        console.print(log_line(decisions, decisions[-1].get("mode") if decisions else None))
     return len(rows)
 
 

@@ -1,34 +1,34 @@
-"""The stability guard: each learner step it reads the step record, smooths the signals
-that show a fall as it happens, and decides ``ok``, ``warn`` or ``act``.
+"""The stability guard's decisions: each learner step it reads the step record, smooths the
+signals that show a fall as it happens, and decides ``ok``, ``warn`` or ``act``.
 
 The signals are numbers the step record (``steps.jsonl``) has already: the training
 rollouts' malformed share (``malformed_rate``), the mean absolute log weight between the
 proximal and the behaviour policy (``behavior_log_ratio_abs_mean``, nats per token; the
 decoupled objective only), the k1 estimate of KL(behaviour || current) (``approx_kl``,
-nats per token), the gradient norm, the entropy... Each :class:`GuardRule` names one, a
+nats per token), the gradient norm... Each :class:`services.config.GuardRule` names one, a
 threshold and a level; a rule holds at a step when the trailing mean of its signal over
 ``guard.window`` steps is past its threshold. The decision of a step
 (:meth:`Guard.observe`):
 
-- ``act``: an ``act`` rule has held for ``guard.patience`` steps in a row, after
-  ``guard.warmup_steps`` and outside the cooldown of the previous action;
-- ``warn``: any rule holds (also an ``act`` rule in its patience, its cooldown, or with
-  ``guard.mode = "warn"``, where the decision names the action it would have taken);
+- ``act``: an ``act`` rule has held for ``guard.patience`` steps in a row, from step
+  ``guard.warmup_steps`` on and outside the cooldown of the previous action;
+- ``warn``: any rule holds (also an ``act`` rule in its patience or cooldown, past the
+  action budget, or with ``guard.mode = "warn"``: the decision names the action it would
+  have taken);
 - ``ok``: no rule holds (and always with ``guard.mode = "off"``).
 
 An ``act`` decision with ``guard.mode = "act"`` takes the first step of ``guard.ladder``
 that still applies (:func:`plan_action`): lower ``buffer.max_staleness`` (again, until
-``guard.min_staleness``), switch to the behaviour objective, lower the learning rate. Its change goes through the control plane
-like a person's (``request`` is :meth:`services.control.ControlState.request_change`), is
-applied at the next step boundary, and never touches a field a person changed live during
-the run (those steps are skipped): a person's change is never undone. ``guard.max_actions``
-bounds the actions of a run. A person pauses the guard with ``stppo ctl set
-guard.mode=warn`` (or ``off``).
+``guard.min_staleness``), switch to the behaviour objective, lower the learning rate. Its
+change is requested from the control plane like a person's
+(:meth:`services.control.ControlState.request_change`, applied at the next step boundary),
+and a step that would change a field a person changed live during the run is skipped: a
+person's change is never undone. ``guard.max_actions`` bounds the actions of a run.
 
-Not built: rolling back to the last good checkpoint (the ladder has no such step yet).
+Not built: rolling back to the last good checkpoint (the ladder only tightens).
 
-Ray-free and torch-free; the driver calls :meth:`Guard.observe` once per finished learner
-step and logs every decision that is not ``ok`` (:meth:`services.loop.report.Report.guard`).
+Pure (no Ray, no torch, no I/O): :mod:`services.loop.autopilot` runs it in the driver's
+loop and writes what it decides; ``experiments/guard_replay.py`` replays archived runs.
 """
 
 from __future__ import annotations
@@ -37,120 +37,17 @@ import math
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
-
-from learner.config import StrictModel
-
-if TYPE_CHECKING:  # services.config imports this module for GuardConfig
-    from services.config import RunConfig
+from services.config import GuardConfig, GuardRule, RunConfig
 
 Level = Literal["ok", "warn", "act"]
-Action = Literal["lower_staleness", "behavior_objective", "lower_lr"]
 
 LEVELS: tuple[str, ...] = ("ok", "warn", "act")
 """Decision levels, in order (the ``stppo_guard_level`` gauge is the index)."""
 
 ACTIONS: tuple[str, ...] = ("lower_staleness", "behavior_objective", "lower_lr")
 """The ladder's steps (:func:`plan_action`)."""
-
-
-class GuardRule(StrictModel):
-    """One rule: the trailing mean of a step-record signal past a threshold."""
-
-    signal: str = Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)
-    """A numeric key of the step record (``steps.jsonl``), e.g. ``malformed_rate``. A step
-    whose record lacks it, or holds NaN, adds nothing to the rule's window."""
-
-    above: float | None = None
-    """The rule holds when the smoothed signal is above this (in the signal's units)."""
-
-    below: float | None = None
-    """The rule holds when the smoothed signal is below this (e.g. for ``success_rate``)."""
-
-    level: Literal["warn", "act"] = "act"
-    """``warn``: logged only. ``act``: after ``guard.patience`` steps in a row, an action."""
-
-    @model_validator(mode="after")
-    def _check_one_threshold(self) -> GuardRule:
-        if (self.above is None) == (self.below is None):
-            raise ValueError(f"rule on {self.signal}: set exactly one of above / below")
-        return self
-
-    @property
-    def name(self) -> str:
-        """``malformed_rate > 0.3``: how the decision log names the rule."""
-        if self.above is not None:
-            return f"{self.signal} > {self.above:g}"
-        return f"{self.signal} < {self.below:g}"
-
-    def holds(self, value: float) -> bool:
-        """Whether ``value`` (the smoothed signal) is past the threshold (False for NaN)."""
-        if math.isnan(value):
-            return False
-        if self.above is not None:
-            return value > self.above
-        return value < self.below  # type: ignore[operator]
-
-
-def _default_rules() -> list[GuardRule]:
-    return [
-        GuardRule(signal="behavior_log_ratio_abs_mean", above=0.1, level="act"),
-        GuardRule(signal="malformed_rate", above=0.5, level="act"),
-        GuardRule(signal="approx_kl", above=0.02, level="warn"),
-        GuardRule(signal="grad_norm", above=0.9, level="warn"),
-    ]
-
-
-class GuardConfig(StrictModel):
-    """The stability guard (:mod:`services.loop.guard`): rules on the step record's signals
-    and the actions it takes before a fall. Live-tunable (``stppo ctl set guard.mode=off``
-    pauses it)."""
-
-    mode: Literal["off", "warn", "act"] = "warn"
-    """``off``: no decisions. ``warn``: decisions are logged (``guard.jsonl``, metrics, the
-    progress line) and nothing changes. ``act``: an ``act`` decision also changes the live
-    config along ``ladder``. The default logs only: acting has not been measured in a run
-    yet (docs: Stability autopilot)."""
-
-    window: int = Field(3, ge=1, le=1000)
-    """Trailing mean over this many steps (learner steps) before a rule is checked."""
-
-    patience: int = Field(1, ge=1, le=1000)
-    """Steps in a row an ``act`` rule must hold before the guard acts (learner steps)."""
-
-    warmup_steps: int = Field(5, ge=0, le=10_000_000)
-    """No decision before this learner step (the first steps' signals are noisy)."""
-
-    cooldown_steps: int = Field(5, ge=0, le=10_000_000)
-    """Learner steps after an action before the next one (its effect needs steps to show;
-    decisions in between are ``warn``)."""
-
-    rules: list[GuardRule] = Field(default_factory=_default_rules, max_length=64)
-    """The rules, each ``{signal, above | below, level}``; the defaults were set from the
-    off-policy arena's archived runs (``experiments/guard_replay.py``)."""
-
-    ladder: list[Action] = Field(
-        default_factory=lambda: ["lower_staleness", "behavior_objective", "lower_lr"],
-        max_length=16,
-    )
-    """Actions in order; each ``act`` takes the first one that still applies
-    (``lower_staleness`` again until ``min_staleness``; a step that does not apply, or
-    changes a field a person changed live, is skipped)."""
-
-    max_actions: int = Field(3, ge=0, le=1000)
-    """Actions per run at most; once spent, ``act`` decisions are logged as ``warn``."""
-
-    staleness_factor: float = Field(0.25, gt=0.0, lt=1.0)
-    """``lower_staleness``: the new ``buffer.max_staleness`` is the old one times this,
-    rounded down, at least ``min_staleness``."""
-
-    min_staleness: int = Field(1, ge=0, le=10_000)
-    """``lower_staleness`` never goes below this bound (learner steps)."""
-
-    lr_factor: float = Field(0.5, gt=0.0, lt=1.0)
-    """``lower_lr``: ``learner.actor_lr`` is multiplied by this."""
 
 
 @dataclass
@@ -255,6 +152,15 @@ def plan_action(action: str, cfg: RunConfig, guard: GuardConfig) -> Plan | None:
     raise ValueError(f"unknown guard action {action!r} (known: {', '.join(ACTIONS)})")
 
 
+def rule_holds(rule: GuardRule, value: float) -> bool:
+    """Whether ``value`` (the rule's smoothed signal) is past its threshold (False for NaN)."""
+    if math.isnan(value):
+        return False
+    if rule.above is not None:
+        return value > rule.above
+    return value < rule.below  # type: ignore[operator]
+
+
 def _touches(plan: Plan, person_fields: Collection[str]) -> bool:
     """Whether ``plan`` changes a field a person changed (or one inside / above it)."""
     return any(
@@ -319,7 +225,7 @@ class Guard:
         step = int(record.get("step", 0))
         self._update(record, g.rules)
         signals = {r.signal: self.smoothed(r.signal, g.window) for r in g.rules}
-        holding = [r for r in g.rules if r.holds(signals[r.signal])]
+        holding = [r for r in g.rules if rule_holds(r, signals[r.signal])]
         for r in g.rules:
             self.streaks[r.name] = self.streaks.get(r.name, 0) + 1 if r in holding else 0
         if g.mode == "off" or step < g.warmup_steps or not holding:
@@ -376,36 +282,3 @@ class Guard:
             self.last_action_step = decision.step
             return
         decision.reason = "; ".join(["ladder spent", *refused])
-
-
-GUARD_LOG = "guard.jsonl"
-"""The decision log in the run directory: one :meth:`Decision.record` per decision that is
-not ``ok``."""
-
-
-def log_line(records: list[dict[str, Any]], mode: str | None = None) -> str:
-    """One line over a run's ``guard.jsonl`` records (``stppo show``, the end of a run):
-    warnings, the steps the guard would have acted at, and its actions.
-
-    Example: ``stability guard (mode warn): 4 warnings from step 21; would have acted at
-    step 23 (lower_staleness, behavior_objective ...); no action``.
-    """
-    head = f"stability guard (mode {mode})" if mode else "stability guard"
-    if not records:
-        return f"{head}: no warning"
-    warns = [r for r in records if r.get("level") == "warn"]
-    acts = [r for r in records if r.get("level") == "act"]
-    would = [r for r in warns if r.get("would_act")]
-    parts = [f"{len(warns)} warning{'s' * (len(warns) != 1)} from step {records[0]['step']}"]
-    if would:
-        parts.append(
-            f"would have acted at step {would[0]['step']} ({would[0].get('rule')}: "
-            f"{would[0].get('action') or would[0].get('reason')})"
-        )
-    if acts:
-        parts.append("acted: " + ", ".join(
-            f"{r['action']} at step {r['step']} ({r['rule']})" for r in acts
-        ))  # fmt: skip
-    else:
-        parts.append("no action")
-    return f"{head}: " + "; ".join(parts)

@@ -81,7 +81,6 @@ class Report:
         self._window_start_s = time.perf_counter()
         self._rollout_trajs = 0
         self._rollout_tokens = 0
-        self._guard_key: tuple[Any, ...] = ("ok", None, False)
 
     def say(self, message: str) -> None:
         self.progress.say(message)
@@ -265,50 +264,21 @@ class Report:
             num_rollout_actors=cfg.rollout.num_actors,
         )
 
-    # ------------------------------------------------------------------ the stability guard
-
-    def guard(self, decision: Any) -> None:
-        """A stability-guard decision (:class:`services.loop.guard.Decision`): the metrics
-        always; a decision that is not ``ok`` also to ``guard.jsonl``, and to the progress
-        line when it is an action or differs from the previous step's (level, rule, would
-        act)."""
-        self.metrics.observe_guard(decision.level, decision.action, decision.signals)
-        key = (decision.level, decision.rule, decision.would_act)
-        changed, self._guard_key = key != self._guard_key, key
-        if decision.level == "ok":
-            return
-        from services.loop.guard import GUARD_LOG
-
-        self.records.append(GUARD_LOG, decision.record())
-        what = (
-            f"{decision.action} requested ({decision.before} -> {decision.after})"
-            if decision.level == "act"
-            else f"would act: {decision.action or decision.reason}"
-            if decision.would_act
-            else "watching"
-        )
-        if changed or decision.level == "act":
-            self.say(f"guard {decision.level} at step {decision.step}: {decision.rule}; {what}")
-        log.warning("guard %s at step %d: %s", decision.level, decision.step, decision.rule)
-
-    def guard_summary(self, run_dir: Any, mode: str) -> None:
-        """The end-of-run line over ``guard.jsonl`` (:func:`services.loop.guard.log_line`)."""
-        from services.loop.guard import GUARD_LOG, log_line
-        from services.run_records import read_records
-
-        path = run_dir / GUARD_LOG
-        self.say(log_line(read_records(path) if path.exists() else [], mode))
-
     # ------------------------------------------------------------------ the end of a run
 
     def stabilisers(self, run_dir: Any) -> None:
-        """Say whether the stabilisers acted over the run's steps (:mod:`services.stabilisers`)."""
+        """Say whether the stabilisers acted over the run's steps (:mod:`services.stabilisers`),
+        and what the stability guard decided (:func:`services.loop.autopilot.summary_line`)."""
         from services.run_records import read_records
         from services.stabilisers import activity_line, stabiliser_activity
 
         steps = read_records(run_dir / "steps.jsonl", "step")
         if steps:
             self.say(activity_line(stabiliser_activity(steps)))
+        if self.control is not None and self.control.config.guard.mode != "off":
+            from services.loop.autopilot import summary_line  # and the stability guard's
+
+            self.say(summary_line(run_dir, self.control.config.guard.mode))
 
     def curves(self, run_dir: Any) -> None:
         """``<run_dir>/curves.png`` (what ``stppo plot <run_dir>`` draws); a failure to draw

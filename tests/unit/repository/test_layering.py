@@ -180,7 +180,7 @@ def test_an_import_circle_is_found(tmp_path):
 
 
 LOOP_PARTS = sorted(p for p in (PROJECT_ROOT / "services" / "loop").glob("*.py"))
-RAY_FREE_PARTS = ("report", "live_config", "checkpoint")
+RAY_FREE_PARTS = ("report", "live_config", "checkpoint", "guard", "autopilot")
 
 
 def test_the_loop_parts_do_not_import_the_driver():
@@ -190,8 +190,8 @@ def test_the_loop_parts_do_not_import_the_driver():
 
 
 def test_ray_is_imported_in_one_place_per_part_and_not_in_the_ray_free_ones():
-    """A part that needs Ray imports it once, at module level; the report, live-config and
-    checkpoint parts (and what they import from services) need none."""
+    """A part that needs Ray imports it once, at module level; the report, live-config,
+    checkpoint and stability-guard parts (and what they import from services) need none."""
     for path in LOOP_PARTS:
         imports = [
             node

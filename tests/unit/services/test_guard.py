@@ -15,10 +15,10 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.config import ConfigError, load_config
+from services.config import ConfigError, GuardRule, load_config
 from services.control import ControlState
-from services.loop.guard import Guard, GuardRule, log_line, plan_action
-from services.loop.report import Report
+from services.loop.autopilot import Autopilot, log_line, summary_line
+from services.loop.guard import Guard, plan_action, rule_holds
 from services.metrics import TrainingMetrics, exported_metric_names
 
 DECOUPLED = [
@@ -181,8 +181,9 @@ def test_plan_action_applies_only_where_it_tightens():
 def test_rules_compare_in_their_direction():
     above = GuardRule(signal="malformed_rate", above=0.5)
     below = GuardRule(signal="success_rate", below=0.1, level="warn")
-    assert above.holds(0.6) and not above.holds(0.5) and not above.holds(math.nan)
-    assert below.holds(0.05) and not below.holds(0.2)
+    assert rule_holds(above, 0.6) and not rule_holds(above, 0.5)
+    assert not rule_holds(above, math.nan)
+    assert rule_holds(below, 0.05) and not rule_holds(below, 0.2)
     assert above.name == "malformed_rate > 0.5" and below.name == "success_rate < 0.1"
 
 
@@ -207,38 +208,37 @@ def test_the_default_guard_only_warns():
     assert load_config().guard.mode == "warn"
 
 
-def test_the_decision_log_metrics_and_show_line(tmp_path):
+def test_the_autopilot_requests_through_the_control_plane_and_writes_its_decisions(tmp_path):
+    """The driver's part: the guard's action is a pending change of the control plane (not
+    a person's), and each decision goes to guard.jsonl, the metrics and the progress."""
+    from types import SimpleNamespace
+
+    from services.run_records import Lineage, RecordWriter
+
     cfg = load_config(None, DECOUPLED)
-
-    class Records:
-        def __init__(self):
-            self.lines = []
-
-        def append(self, name, record):
-            self.lines.append((name, json.loads(json.dumps(record))))
-
-        def say(self, message):
-            self.lines.append(("say", message))
-
-    records = Records()
+    control = ControlState(config=cfg)
     metrics = TrainingMetrics(CollectorRegistry())
-    report = Report(records, metrics, records, None, None, cfg.run)
-    guard = Guard()
+    said: list[str] = []
+    services = SimpleNamespace(records=RecordWriter(tmp_path, Lineage("r1", 1)), metrics=metrics)
+    pilot = Autopilot(control, services, said.append)
     for record in falling(20):
-        report.guard(guard.observe(record, cfg))
-    logged = [r for name, r in records.lines if name == "guard.jsonl"]
+        pilot.step(record, cfg)
+    pending = control.take_pending()
+    assert pending is not None and pending.buffer.max_staleness == 4
+    assert control.person_fields == set()  # the guard's change is not a person's
+    logged = [json.loads(line) for line in (tmp_path / "guard.jsonl").read_text().splitlines()]
     assert logged[0]["step"] == 16  # nothing held before (approx_kl and grad_norm quiet)
     act = logged[0]
-    assert set(act) >= {"step", "signals", "rule", "action", "before", "after", "mode"}
-    assert act["after"] == {"buffer.max_staleness": 4}
-    said = [m for name, m in records.lines if name == "say"]
+    assert {"step", "signals", "rule", "action", "before", "after", "mode"} <= set(act)
+    assert act["level"] == "act" and act["after"] == {"buffer.max_staleness": 4}
     assert any(m.startswith("guard act at step 16") for m in said)
     assert len(said) < len(logged)  # repeated warnings are not repeated on the console
     names = exported_metric_names(metrics.registry)
     assert {"stppo_guard_level", "stppo_guard_decisions_total", "stppo_guard_actions_total",
             "stppo_guard_signal"} <= names  # fmt: skip
     assert metrics.guard_actions_total.labels(action="lower_staleness")._value.get() == 1
-    line = log_line(logged, "act")
+    line = summary_line(tmp_path, "act")
     assert line.startswith("stability guard (mode act): ")
     assert "acted: lower_staleness at step 16" in line
     assert log_line([], "warn") == "stability guard (mode warn): no warning"
+    assert summary_line(tmp_path / "none", "warn") == "stability guard (mode warn): no warning"

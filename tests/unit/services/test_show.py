@@ -96,3 +96,21 @@ def test_errors_are_one_line(run_dir: Path, tmp_path: Path) -> None:
     assert code == 2 and "no such run directory or records file" in out
     code, out = show(str(run_dir), "--samples")
     assert code == 2 and "has no samples.jsonl" in out
+
+
+def test_the_guard_line_sums_up_guard_jsonl(run_dir: Path) -> None:
+    import json
+
+    decisions = [
+        {"step": 21, "level": "warn", "mode": "warn", "rule": "approx_kl > 0.02",
+         "would_act": False, "action": None, "reason": ""},
+        {"step": 22, "level": "warn", "mode": "warn", "rule": "malformed_rate > 0.5",
+         "would_act": True, "action": "lower_staleness", "reason": "mode warn"},
+    ]  # fmt: skip
+    (run_dir / "guard.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
+    code, out = show(str(run_dir))
+    assert code == 0, out
+    assert (
+        "stability guard (mode warn): 2 warnings from step 21; would have acted at step 22 "
+        "(malformed_rate > 0.5: lower_staleness); no action" in " ".join(out.split())
+    )
