@@ -338,8 +338,10 @@ class GuardRule(StrictModel):
     """One rule: the trailing mean of a step-record signal past a threshold."""
 
     signal: str = Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)
-    """A numeric key of the step record (``steps.jsonl``), e.g. ``malformed_rate``. A step
-    whose record lacks it, or holds NaN, adds nothing to the rule's window."""
+    """A numeric key of the step record (``steps.jsonl``), e.g. ``malformed_rate``. The rule
+    reads the mean of its finite values over the last ``guard.window`` steps; a step whose
+    record lacks it (or holds NaN) contributes no value, and with none in the window the
+    rule does not hold."""
 
     above: float | None = None
     """The rule holds when the smoothed signal is above this (in the signal's units)."""

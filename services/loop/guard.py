@@ -186,17 +186,20 @@ class Guard:
         self.decisions: dict[str, int] = {level: 0 for level in LEVELS}
 
     def smoothed(self, signal: str, window: int) -> float:
-        """Trailing mean of the last ``window`` finite values of ``signal`` (NaN if none)."""
-        values = list(self.values.get(signal, ()))[-window:]
+        """Mean of the finite values of ``signal`` over the last ``window`` steps (NaN if it
+        has none there: a signal that stopped being logged, e.g. the behaviour log-ratio
+        after a switch to the behaviour objective, stops holding once its window passes)."""
+        values = [v for v in list(self.values.get(signal, ()))[-window:] if math.isfinite(v)]
         return sum(values) / len(values) if values else math.nan
 
     def _update(self, record: Mapping[str, Any], rules: list[GuardRule]) -> None:
+        """One entry per step for every rule signal: its value, NaN where not logged."""
         for signal in {r.signal for r in rules}:
             value = record.get(signal)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            if math.isfinite(value):
-                self.values.setdefault(signal, deque(maxlen=1000)).append(float(value))
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            self.values.setdefault(signal, deque(maxlen=1000)).append(
+                float(value) if number else math.nan
+            )
 
     def observe(
         self,

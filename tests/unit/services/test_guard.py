@@ -242,3 +242,21 @@ def test_the_autopilot_requests_through_the_control_plane_and_writes_its_decisio
     assert "acted: lower_staleness at step 16" in line
     assert log_line([], "warn") == "stability guard (mode warn): no warning"
     assert summary_line(tmp_path / "none", "warn") == "stability guard (mode warn): no warning"
+
+
+def test_a_signal_that_stops_being_logged_stops_holding():
+    """After the switch to the behaviour objective the behaviour log-ratio is no longer
+    logged: its old values leave the window and the guard takes no further action on them."""
+    cfg = load_config(None, [*DECOUPLED, "guard.cooldown_steps=0", "guard.ladder=['lower_lr']",
+                             "guard.max_actions=10"])  # fmt: skip
+    records = falling(20)
+    for r in records[16:]:  # steps 17-20: no longer logged
+        del r["behavior_log_ratio_abs_mean"]
+    guard = Guard()
+    decisions = [guard.observe(r, cfg, (), lambda changes: None) for r in records]
+    acts = [d.step for d in decisions if d.level == "act"]
+    # steps 17 and 18 still have a logged value (0.13, 0.16) in their 3-step window; from
+    # step 19 the window has none
+    assert acts == [16, 17, 18]
+    assert decisions[-1].level == "ok" and math.isnan(decisions[-1].signals[
+        "behavior_log_ratio_abs_mean"])  # fmt: skip
