@@ -703,8 +703,12 @@ class RolloutWorker:
 
     def receive_weights(self, metas: list) -> float:
         """Receive one broadcast of the policy (``metas``: the
-        :class:`actors.weight_group.TensorMeta` plan) and load it into the engine in place
-        (its ``load_weights``); returns the seconds from the first tensor to loaded.
+        :class:`actors.weight_group.TensorMeta` plan) and load it into the engine in place,
+        tensor by tensor as it arrives (the engine's ``load_weights`` on the receive
+        stream: one tensor in flight, never a second copy of the model). The engine is
+        held for the whole receive, so the broadcast starts at the rollout's next safe
+        point (``rollout.interrupt_every_tokens``) or the end of its batch. Returns the
+        seconds from the first tensor to loaded.
 
         Raises:
             RuntimeError: this worker is not in a weight-sync group.
@@ -712,10 +716,10 @@ class RolloutWorker:
         group = getattr(self, "_weight_group", None)
         if group is None:
             raise RuntimeError("receive_weights before join_weight_group")
-        version, tensors = group.receive(metas)  # needs no gate: the engine is not touched
-        started = time.perf_counter()
         with self.gate.updating():
-            self.engine.load_weights(dict(tensors), version)
+            version, tensors = group.receive(metas)
+            started = time.perf_counter()
+            self.engine.load_weights(tensors, version)
         return time.perf_counter() - started
 
     def get_policy_version(self) -> int:

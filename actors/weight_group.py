@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -221,20 +221,38 @@ class WeightGroup:
             raise
 
     def send(
-        self, state_dict: Mapping[str, torch.Tensor], metas: list[TensorMeta], version: int
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        metas: list[TensorMeta],
+        version: int,
     ) -> int:
         """Rank 0: broadcast ``version`` and then every tensor in ``metas``' order.
+
+        Args:
+            tensors: name -> tensor, or ``(name, tensor)`` pairs in ``metas``' order (a
+                stream such as the learner's bucketed gather: each tensor is broadcast from
+                where it is, and copied only when it is not on this group's device).
+            metas: the plan every member agreed on.
+            version: the policy version sent first.
 
         Returns:
             bytes broadcast.
 
         Raises:
-            KeyError / ValueError: ``state_dict`` does not match ``metas``.
+            KeyError / ValueError: ``tensors`` does not match ``metas`` (a name, shape or
+                dtype, or a stream of another length).
         """
+        if isinstance(tensors, Mapping):
+            pairs: Iterable[tuple[str, torch.Tensor]] = ((m.name, tensors[m.name]) for m in metas)
+        else:
+            pairs = tensors
         self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
         sent = 0
+        stream = iter(pairs)
         for meta in metas:
-            tensor = state_dict[meta.name]
+            name, tensor = next(stream, (None, None))
+            if name != meta.name or tensor is None:
+                raise ValueError(f"the tensors sent do not follow the plan: {name!r} for {meta}")
             if tuple(tensor.shape) != meta.shape or tensor.dtype != meta.torch_dtype:
                 raise ValueError(
                     f"{meta.name}: {tuple(tensor.shape)} {tensor.dtype} != plan {meta}"
@@ -242,6 +260,9 @@ class WeightGroup:
             tensor = tensor.detach().to(self.device).contiguous()
             self._broadcast(tensor)
             sent += tensor.numel() * tensor.element_size()
+        extra = next(stream, None)
+        if extra is not None:
+            raise ValueError(f"more tensors sent than the plan has ({len(metas)}): {extra[0]!r}")
         return sent
 
     def receive(self, metas: list[TensorMeta]) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:

@@ -2,18 +2,32 @@
 weight-sync group's rank 0 (``sync.transport = "collective"``).
 
 :class:`WeightsMixin` is part of :class:`learner.trainer.Learner` (split out by
-responsibility, issue 31); it uses the learner's ``policy_engine``, ``policy_version``,
-``rank`` and ``world_size``. Every method is a collective under ZeRO-3 (partitioned
-parameters are gathered first): on N ranks every rank calls it.
+responsibility); it uses the learner's ``policy_engine``, ``policy_version``, ``rank`` and
+``world_size``. Every method is a collective under ZeRO-3 (partitioned parameters are
+gathered first): on N ranks every rank calls it.
+
+**Buckets.** Under ZeRO-3 the weights are gathered one bucket at a time
+(:func:`weight_buckets`, ``sync.bucket_mb``): every rank takes part in a bucket's all-gather,
+rank 0 copies or broadcasts that bucket's tensors, and the bucket is freed before the next
+one is gathered, so no rank ever holds more of the full model than one bucket on top of its
+own partition (the pattern of OpenRLHF's ``_broadcast_to_vllm`` and verl's sharding
+managers). The broadcast plan comes from the parameters' metadata (``ds_shape`` under
+ZeRO-3), not from an export.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+DEFAULT_BUCKET_BYTES = 1 << 30
+"""Bytes of full (gathered) tensors per bucket when the caller names none: 1 GiB, the
+default of ``sync.bucket_mb``."""
 
 
 class WeightsExport(NamedTuple):
@@ -29,6 +43,70 @@ class WeightsExport(NamedTuple):
     policy_version: int
 
 
+def full_shape(tensor: Tensor) -> tuple[int, ...]:
+    """The tensor's shape as the model sees it: ``ds_shape`` for a ZeRO-3 partitioned
+    parameter (whose local ``shape`` is a flat partition or empty), else ``shape``."""
+    return tuple(getattr(tensor, "ds_shape", tensor.shape))
+
+
+def full_bytes(tensor: Tensor) -> int:
+    """Bytes of the tensor once gathered (``ds_numel`` under ZeRO-3)."""
+    return int(getattr(tensor, "ds_numel", tensor.numel())) * tensor.element_size()
+
+
+def weight_buckets(module: torch.nn.Module, bucket_bytes: int) -> list[list[tuple[str, Tensor]]]:
+    """The module's state-dict entries (HF names, ``keep_vars``: the parameters themselves,
+    nothing gathered), each distinct tensor once (a tied alias such as ``lm_head.weight``
+    is left out: it is the embedding), in state-dict order, grouped into buckets of at most
+    ``bucket_bytes`` gathered bytes. A tensor larger than a bucket is a bucket of its own.
+
+    Raises:
+        ValueError: ``bucket_bytes`` < 1.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets: list[list[tuple[str, Tensor]]] = []
+    current: list[tuple[str, Tensor]] = []
+    size = 0
+    seen: set[int] = set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        nbytes = full_bytes(tensor)
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, tensor))
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def gathered(tensors: list[Tensor]) -> contextlib.AbstractContextManager:
+    """DeepSpeed's ``GatheredParameters`` over the ZeRO-3 partitioned ones among
+    ``tensors`` (a collective: every rank enters it with the same list), read-only; a null
+    context when none is partitioned."""
+    partitioned = [t for t in tensors if hasattr(t, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+
+
+def iter_gathered(module: torch.nn.Module, bucket_bytes: int) -> Iterator[tuple[str, Tensor]]:
+    """Every distinct weight of ``module`` as ``(HF name, state-dict entry)``, gathered one
+    bucket at a time (:func:`weight_buckets`). The entry is the parameter itself (its full
+    data while its bucket is gathered; do not modify it): copy or send it before asking
+    for the next one, whose bucket may release it. Under ZeRO-3 every rank must consume
+    the iterator to its end (each bucket is a collective)."""
+    for bucket in weight_buckets(module, bucket_bytes):
+        with gathered([tensor for _, tensor in bucket]):
+            yield from bucket
+
+
 class WeightsMixin:
     """Weight export and broadcast of :class:`learner.trainer.Learner`."""
 
@@ -37,18 +115,31 @@ class WeightsMixin:
     policy_engine: Any
     policy_version: int
 
-    def export_weights(self) -> WeightsExport:
+    def export_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightsExport:
         """The policy's weights as HF-named, contiguous, cloned CPU tensors + its version.
 
         Clones own their memory (shipping views of DeepSpeed buffers through the Ray object
         store kept those buffers alive: a learner grew to 21 GB). Under ZeRO-3 the
-        partitioned parameters are gathered first (a collective: every rank calls this).
-        Tied parameters (SmolLM2's embedding and LM head) map to one shared clone, so
-        ``load_state_dict`` of a fresh HF model works. On N ranks only rank 0 returns the
-        weights; the other ranks return an empty dict (and the same version).
+        partitioned parameters are gathered ``bucket_bytes`` at a time (a collective: every
+        rank calls this; only rank 0 keeps copies). Tied parameters (SmolLM2's embedding
+        and LM head) map to one shared clone, so ``load_state_dict`` of a fresh HF model
+        works. On N ranks only rank 0 returns the weights; the other ranks return an empty
+        dict (and the same version).
         """
-        state = self._module_state(self.policy_engine.module, self.rank == 0)
+        state = self._module_state(self.policy_engine.module, self.rank == 0, bucket_bytes)
         return WeightsExport(state_dict=state, policy_version=self.policy_version)
+
+    def weight_metas(self) -> list:
+        """The broadcast plan: a :class:`actors.weight_group.TensorMeta` per distinct policy
+        weight, in :func:`weight_buckets` order, from the parameters' metadata (no gather,
+        no copy; the same on every rank)."""
+        from actors.weight_group import TensorMeta
+
+        return [
+            TensorMeta(name, str(tensor.dtype).removeprefix("torch."), full_shape(tensor))
+            for bucket in weight_buckets(self.policy_engine.module, DEFAULT_BUCKET_BYTES)
+            for name, tensor in bucket
+        ]
 
     # ------------------------------------------------------------------ collective weight sync
 
@@ -73,18 +164,18 @@ class WeightsMixin:
         join_timeout_s: float = 60.0,
     ) -> list:
         """Rank 0 joins the weight-sync group as its rank 0 (blocks until every engine has
-        joined, at most ``join_timeout_s``) and returns the broadcast plan (a
-        :class:`actors.weight_group.TensorMeta` per exported tensor); other ranks take part
-        in the export only (ZeRO-3 gathers) and return ``[]``.
+        joined, at most ``join_timeout_s``) and returns the broadcast plan
+        (:meth:`weight_metas`); other ranks return ``[]`` (they take part in the ZeRO-3
+        gathers of each broadcast only).
 
         Raises:
             actors.rendezvous.GroupJoinError: the group did not form in time (names who is
                 missing)."""
-        from actors.weight_group import WeightGroup, tensor_metas
+        from actors.weight_group import WeightGroup
 
-        metas = tensor_metas(self.export_weights().state_dict)
         if self.rank != 0:
             return []
+        metas = self.weight_metas()
         self.leave_weight_group()
         store, self._weight_store = getattr(self, "_weight_store", None), None
         if store is not None and store.port != port:
@@ -103,46 +194,51 @@ class WeightsMixin:
             group.close()
         self._weight_group = None
 
-    def broadcast_weights(self) -> dict[str, float]:
-        """Export the policy (collective under ZeRO-3) and, on rank 0, broadcast it to the
-        engines tensor by tensor; returns ``policy_version``, ``export_s``, ``broadcast_s``
-        and ``bytes`` (zeros on other ranks).
+    def broadcast_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
+        """Broadcast the policy to the engines bucket by bucket: each bucket is gathered
+        (every rank: a collective under ZeRO-3), rank 0 broadcasts its tensors from where
+        they are (GPU memory with NCCL; no host copy), and it is freed before the next.
+        Returns ``policy_version``, ``export_s`` (0: the gathers overlap the broadcast and
+        count in it), ``broadcast_s`` and ``bytes`` (zeros on other ranks).
 
         Raises:
             RuntimeError: rank 0 is not in a weight-sync group.
         """
         started = time.perf_counter()
-        export = self.export_weights()
-        export_s = time.perf_counter() - started
+        tensors = iter_gathered(self.policy_engine.module, bucket_bytes)
         if self.rank != 0:
-            return {"policy_version": float(self.policy_version), "export_s": export_s,
-                    "broadcast_s": 0.0, "bytes": 0.0}  # fmt: skip
+            for _ in tensors:  # take part in every bucket's gather
+                pass
+            return {"policy_version": float(self.policy_version), "export_s": 0.0,
+                    "broadcast_s": time.perf_counter() - started, "bytes": 0.0}  # fmt: skip
         group = getattr(self, "_weight_group", None)
         if group is None:
+            for _ in tensors:  # the other ranks are in the gathers: finish them, then raise
+                pass
             raise RuntimeError("broadcast_weights before join_weight_group")
-        started = time.perf_counter()
-        sent = group.send(export.state_dict, self._weight_metas, export.policy_version)
+        sent = group.send(tensors, self._weight_metas, self.policy_version)
         return {
-            "policy_version": float(export.policy_version),
-            "export_s": export_s,
+            "policy_version": float(self.policy_version),
+            "export_s": 0.0,
             "broadcast_s": time.perf_counter() - started,
             "bytes": float(sent),
         }
 
-    def _module_state(self, module: torch.nn.Module, keep: bool) -> dict[str, Tensor]:
-        """Full CPU clones of ``module``'s state dict where ``keep``, else ``{}``; gathers
-        ZeRO-3 partitions first (collective)."""
-        state: dict[str, Tensor] = {}
+    def _module_state(
+        self, module: torch.nn.Module, keep: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> dict[str, Tensor]:
+        """Full CPU clones of ``module``'s state dict where ``keep``, else ``{}``; under
+        ZeRO-3 gathered a bucket at a time (collective: every rank consumes every bucket).
+        Tied aliases map to their tensor's clone."""
         clones: dict[int, Tensor] = {}
-        with self._gathered(module):
-            if not keep:
-                return state
-            for name, tensor in module.state_dict().items():
-                key = tensor.data_ptr()
-                if key not in clones:
-                    clones[key] = tensor.detach().to("cpu", copy=True).contiguous()
-                state[name] = clones[key]
-        return state
+        for _, tensor in iter_gathered(module, bucket_bytes):
+            if keep:
+                clones[id(tensor)] = tensor.detach().to("cpu", copy=True).contiguous()
+        if not keep:
+            return {}
+        return {
+            name: clones[id(tensor)] for name, tensor in module.state_dict(keep_vars=True).items()
+        }
 
     def _load_module_state(self, module: torch.nn.Module, state: dict[str, Tensor]) -> None:
         """``module.load_state_dict(state)``; under ZeRO-3 inside a gather whose changes
@@ -159,12 +255,3 @@ class WeightsMixin:
     @staticmethod
     def _zero3(module: torch.nn.Module) -> bool:
         return any(hasattr(p, "ds_id") for p in module.parameters())
-
-    def _gathered(self, module: torch.nn.Module) -> Any:
-        import contextlib
-
-        if not self._zero3(module):
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)

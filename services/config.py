@@ -198,6 +198,13 @@ class SyncConfig(StrictModel):
     weights are broadcast tensor by tensor (nccl when the learner has GPUs, gloo otherwise;
     :mod:`services.weight_sync`)."""
 
+    bucket_mb: int = Field(1024, ge=1, le=65_536)
+    """Weights leave the learner this many MiB at a time: under ZeRO-3 each bucket is
+    gathered, sent (or copied, for the object store) and freed before the next, so a rank
+    holds at most one bucket of the full model beyond its partition; with ``collective``
+    each engine loads every tensor as it arrives (no second copy of the model on either
+    side)."""
+
     collective_timeout_s: float = Field(1800.0, gt=0.0, le=86_400.0)
     """``collective``: how long a member waits for the others in one broadcast. An engine
     takes part when its current generation batch ends, so this bounds a batch."""

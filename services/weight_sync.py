@@ -101,9 +101,11 @@ class WeightSync(Protocol):
         ...
 
 
-def export_to_object_store(learner: Any, policy_version: int) -> tuple[Any, float]:
-    """Have the learner export its weights into the object store; returns the reference and
-    the export seconds.
+def export_to_object_store(
+    learner: Any, policy_version: int, bucket_bytes: int = 1 << 30
+) -> tuple[Any, float]:
+    """Have the learner export its weights into the object store (gathered
+    ``bucket_bytes`` at a time under ZeRO-3); returns the reference and the export seconds.
 
     Raises:
         RuntimeError: the learner exported another version than ``policy_version``.
@@ -111,7 +113,7 @@ def export_to_object_store(learner: Any, policy_version: int) -> tuple[Any, floa
     import ray
 
     started = time.perf_counter()
-    weights_ref, version_ref = learner.export_weights.options(num_returns=2).remote()
+    weights_ref, version_ref = learner.export_weights.options(num_returns=2).remote(bucket_bytes)
     exported_version = ray.get(version_ref)
     if exported_version != policy_version:
         raise RuntimeError(
@@ -121,11 +123,15 @@ def export_to_object_store(learner: Any, policy_version: int) -> tuple[Any, floa
 
 
 class ObjectStoreWeightSync:
-    """Ray object store transport (see module docstring)."""
+    """Ray object store transport (see module docstring); the learner exports
+    ``bucket_bytes`` at a time (``sync.bucket_mb``)."""
+
+    def __init__(self, bucket_bytes: int = 1 << 30) -> None:
+        self.bucket_bytes = bucket_bytes
 
     def push(self, learner: Any, engines: list[Any], policy_version: int) -> SyncHandle:
         started = time.perf_counter()
-        weights_ref, export_s = export_to_object_store(learner, policy_version)
+        weights_ref, export_s = export_to_object_store(learner, policy_version, self.bucket_bytes)
         handle = SyncHandle(policy_version, export_s, [], weights_ref, started)
         handle.acks = self.push_to(handle, engines)
         return handle
@@ -153,6 +159,8 @@ class CollectiveWeightSync:
         join_timeout_s: how long forming the group may take; while it forms, ``say`` is
             told every :data:`JOIN_PROGRESS_S` who has joined.
         say: where progress lines go (the driver's console).
+        bucket_bytes: the learner gathers and broadcasts the model this much at a time
+            (``sync.bucket_mb``); engines load each tensor as it arrives.
     """
 
     def __init__(
@@ -161,8 +169,10 @@ class CollectiveWeightSync:
         timeout_s: float = 1800.0,
         join_timeout_s: float = 60.0,
         say: Callable[[str], None] = print,
+        bucket_bytes: int = 1 << 30,
     ) -> None:
         self.backend = backend
+        self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.join_timeout_s = join_timeout_s
         self.say = say
@@ -243,7 +253,7 @@ class CollectiveWeightSync:
             return SyncHandle(policy_version, 0.0, [], None, started)
         if _ids(self._members) != _ids(engines):
             self._form_group(learner, engines)
-        sent = learner.broadcast_weights.remote()
+        sent = learner.broadcast_weights.remote(self.bucket_bytes)
         acks = [engine_weights_call(e, "receive_weights").remote(self._metas) for e in engines]
         self._watch(acks)
         return SyncHandle(policy_version, 0.0, [sent, *acks], None, started)
@@ -282,7 +292,9 @@ class CollectiveWeightSync:
         """
         if self._learner is None:
             raise RuntimeError("push_to before the first push")
-        weights_ref, version_ref = self._learner.export_weights.options(num_returns=2).remote()
+        weights_ref, version_ref = self._learner.export_weights.options(num_returns=2).remote(
+            self.bucket_bytes
+        )
         self._members = []  # re-form at the next push, with every engine
         return [
             engine_weights_call(e, "load_weights").remote(weights_ref, version_ref) for e in engines
@@ -452,6 +464,7 @@ def make_weight_sync(
     timeout_s: float = 1800.0,
     join_timeout_s: float = 60.0,
     say: Callable[[str], None] = print,
+    bucket_bytes: int = 1 << 30,
 ) -> WeightSync:
     """The transport named in ``sync.transport``.
 
@@ -461,12 +474,14 @@ def make_weight_sync(
         timeout_s: the ``collective`` group's per-broadcast timeout.
         join_timeout_s: how long forming the ``collective`` group may take.
         say: where the ``collective`` group's join progress goes.
+        bucket_bytes: how much of the model the learner gathers and sends at a time
+            (``sync.bucket_mb``).
 
     Raises:
         ValueError: an unknown transport.
     """
     if transport == "object_store":
-        return ObjectStoreWeightSync()
+        return ObjectStoreWeightSync(bucket_bytes)
     if transport == "collective":
-        return CollectiveWeightSync(backend, timeout_s, join_timeout_s, say)
+        return CollectiveWeightSync(backend, timeout_s, join_timeout_s, say, bucket_bytes)
     raise ValueError(f"unknown weight-sync transport {transport!r}")

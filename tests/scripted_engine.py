@@ -58,9 +58,13 @@ class ScriptedEngine:
         """Current version (changed by ``load_weights`` or ``bump_after_calls``)."""
         return self._version
 
-    def load_weights(self, state_dict, policy_version: int) -> None:
-        """Only records the version (there are no weights)."""
+    def load_weights(self, weights, policy_version: int) -> None:
+        """Only records the version (there are no weights; a stream is consumed, as the
+        weight-sync group needs)."""
         check_version(self._version, policy_version)
+        if not isinstance(weights, dict):
+            for _ in weights:
+                pass
         self._version = policy_version
 
     def generate(

@@ -28,6 +28,7 @@ records the version that sampled it (``GenerationResult.token_versions``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -48,6 +49,7 @@ from actors.engines.interrupt import Interrupt
 from actors.engines.protocol import (
     GenerationResult,
     SamplingParams,
+    Weights,
     check_prompts,
     check_version,
     find_stop,
@@ -359,28 +361,42 @@ class HFEngine:
         ]
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
-        """Copy ``state_dict`` into the model's parameters in place (no disk, no re-init).
+    def load_weights(self, weights: Weights, policy_version: int) -> None:
+        """Copy ``weights`` into the model's parameters in place (no disk, no re-init).
 
-        Every parameter of the model must be present (a silent partial update would mix
+        ``weights`` is a dict (checked whole before anything is copied) or a stream of
+        ``(name, tensor)`` pairs (each copied as it arrives, so the stream is never held
+        whole; names and shapes are checked pair by pair, coverage at its end). Every
+        parameter of the model must be present (a silent partial update would mix
         versions); tied aliases such as ``lm_head.weight`` may be present or not.
 
         Raises:
-            KeyError: an unknown name, or a parameter missing from ``state_dict``.
+            KeyError: an unknown name, or a parameter missing from ``weights`` (a stream's
+                missing names are found after the others were copied: the engine then
+                holds a mixed version and must not generate before a complete load).
             ValueError: a shape mismatch, or a decreasing ``policy_version``.
         """
         check_version(self._policy_version, policy_version)
         targets = self.model.state_dict(keep_vars=True)
-        check_state_dict(state_dict, targets, dict(self.model.named_parameters()).keys())
-        for name, tensor in state_dict.items():
+        required = dict(self.model.named_parameters()).keys()
+        if isinstance(weights, Mapping):
+            check_state_dict(weights, targets, required)
+            weights = weights.items()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            check_state_dict({name: tensor}, targets, ())
             targets[name].data.copy_(
                 tensor.to(dtype=targets[name].dtype, device=targets[name].device)
             )
+            loaded.add(name)
+        missing = sorted(set(required) - loaded)
+        if missing:
+            raise KeyError(f"load_weights: {len(missing)} parameter(s) missing, e.g. {missing[:5]}")
         self._policy_version = policy_version
 
 
 def check_state_dict(
-    state_dict: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], required
+    state_dict: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], required
 ) -> None:
     """Validate a weight update against the model's tensors (names and shapes).
 

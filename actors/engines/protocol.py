@@ -21,13 +21,18 @@ No torch import here: the module is part of the Ray-free wire contract.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
     from actors.engines.interrupt import Interrupt
+
+Weights: TypeAlias = "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]"
+"""What ``load_weights`` takes: a whole state dict, or a stream of ``(HF name, tensor)``
+pairs consumed once (the weight-sync group's receive, tensor by tensor)."""
 
 FinishReason = Literal["stop", "eos", "length"]
 """Why one generation ended: a stop string was produced (``stop``), the tokenizer's EOS token
@@ -152,12 +157,16 @@ class GenerationEngine(Protocol):
         """
         ...
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
+    def load_weights(self, weights: Weights, policy_version: int) -> None:
         """Copy new weights in place from in-memory tensors (HF parameter names).
 
         Args:
-            state_dict: name -> tensor, e.g. ``model.layers.0.self_attn.q_proj.weight``;
-                any dtype (cast to the engine's), CPU tensors.
+            weights: name -> tensor, e.g. ``model.layers.0.self_attn.q_proj.weight``, or a
+                stream of ``(name, tensor)`` pairs consumed once, each loaded as it comes
+                (the weight-sync group's receive: never a second full copy); any dtype
+                (cast to the engine's), on the host or the engine's device. A stream must
+                be consumed to its end even when a pair is refused (every pair is a
+                broadcast the other members take part in), unless the load raises.
             policy_version: The learner version these weights are; must not decrease.
 
         Raises:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,7 @@ from actors.engines.interrupt import Interrupt
 from actors.engines.protocol import (
     GenerationResult,
     SamplingParams,
+    Weights,
     check_prompts,
     check_version,
 )
@@ -303,8 +305,13 @@ class VLLMEngine:
             policy_version=self._policy_version,
         )
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], policy_version: int) -> None:
+    def load_weights(self, weights: Weights, policy_version: int) -> None:
         """Load HF-named tensors into the running model in place; bump ``policy_version``.
+
+        ``weights`` is a dict or a stream of ``(name, tensor)`` pairs: a stream goes to
+        vLLM's loader as the iterator it takes, so each tensor is loaded as it arrives
+        (from the weight-sync group: on the engine's device, with no host copy and never a
+        second full copy of the model beside the engine's).
 
         Goes through vLLM's layer-wise reload (``model_loader.reload``), the path vLLM keeps
         for in-place updates: each layer is restored to its checkpoint layout, fed by the
@@ -325,8 +332,9 @@ class VLLMEngine:
         """
         self._check_open()
         check_version(self._policy_version, policy_version)
-        weights = [(name, tensor.detach().cpu()) for name, tensor in state_dict.items()]
-        loaded = self.llm.collective_rpc(_reload_in_place, args=(weights,))[0]
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        stream = ((name, tensor.detach()) for name, tensor in pairs)
+        loaded = self.llm.collective_rpc(_reload_in_place, args=(stream,))[0]
         missing = sorted(set(self._param_shapes) - set(loaded or ()))
         if missing:
             raise KeyError(
@@ -439,7 +447,7 @@ def quiet_vllm_cpu_startup() -> None:
         _add_filter_once(name, VLLMStartupNoteFilter)
 
 
-def _reload_in_place(worker, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+def _reload_in_place(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Runs inside the vLLM worker (``collective_rpc``): vLLM's layer-wise in-place reload
     (``reload.inplace.reload_weights`` without its disk path), returning the names the
     model's loader filled so that the caller can check coverage. The filter goes on here,

@@ -71,7 +71,7 @@ def build_parts(
     weight_sync = make_weight_sync(
         cfg.sync.transport, backend="nccl" if cfg.ray.learner_gpus > 0 else "gloo",
         timeout_s=cfg.sync.collective_timeout_s, join_timeout_s=cfg.sync.join_timeout_s,
-        say=s.progress.say,
+        say=s.progress.say, bucket_bytes=cfg.sync.bucket_mb << 20,
     )  # fmt: skip
     sync = SyncCoordinator(
         config, fleet, learner, weight_sync, s.progress.say, s.metrics.observe_weight_sync
