@@ -561,6 +561,21 @@ class LearnerConfig(StrictModel):
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
 
+    offload_optimizer: bool = False
+    """Keep the policy's and critic's optimizer states (fp32 master weights and the two
+    AdamW moments, 12 bytes per parameter) in host memory and run the optimizer step there
+    (DeepSpeed ZeRO-Offload: ``zero_optimization.offload_optimizer.device = "cpu"``). Needs
+    ``zero_stage`` >= 1. The step is torch's ``foreach`` AdamW on the host (DeepSpeed's
+    ``torch_adam``; ``fused_adamw`` must not be true), which needs no compiled extension;
+    it costs host memory (``stppo plan`` states it) and a host round trip of the gradients
+    every optimizer step."""
+
+    offload_params: bool = False
+    """ZeRO-3 only: keep the partitioned parameters in host memory between uses, gathered
+    to the device layer by layer (DeepSpeed ``zero_optimization.offload_param.device =
+    "cpu"``; the frozen reference too). For a model whose partition does not fit beside
+    the activations; every forward and backward then copies each layer to the device."""
+
     compile_layers: bool = False
     """``torch.compile`` each decoder layer's attention, MLP and norms in the policy, critic
     and reference (regional compilation: every layer shares the graphs; dynamic shapes;
@@ -598,6 +613,19 @@ class LearnerConfig(StrictModel):
             raise ValueError(
                 "packed_attention = 'varlen' needs pack_sequences = true (it is the attention "
                 "of the packed layout)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_offload(self) -> LearnerConfig:
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage >= 1 (ZeRO-Offload)")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"offload_params needs zero_stage = 3, got {self.zero_stage}")
+        if self.offload_optimizer and self.fused_adamw:
+            raise ValueError(
+                "fused_adamw = true with offload_optimizer: the offloaded step runs on the "
+                "host with torch's foreach AdamW; leave fused_adamw unset"
             )
         return self
 

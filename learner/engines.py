@@ -80,19 +80,27 @@ def deepspeed_config(
         # each step (its default "synchronized" timing); the learner times its own steps
         "timers": {"throughput": {"enabled": False}},
     }
+    pin = torch.cuda.is_available()  # page-locked host buffers make the copies faster
     if not with_optimizer:
         if config.zero_stage == 3:  # the frozen reference is sharded like the policy
             ds["zero_optimization"] = {"stage": 3}
+            if config.offload_params:
+                ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": pin}
             ds["bf16"] = {"enabled": bf16}
             return ds
         ds["zero_optimization"] = {"stage": 0}
         ds["bf16"] = {"enabled": False}  # weights are already bf16; no optimizer wrapper
         return ds
+    zero: dict[str, Any] = {"stage": config.zero_stage}
+    if config.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if config.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     ds.update(
         {
             "managed_gradient_accumulation": False,
             "gradient_clipping": config.max_grad_norm,
-            "zero_optimization": {"stage": config.zero_stage},
+            "zero_optimization": zero,
         }
     )
     if not client_optimizer:
@@ -104,8 +112,11 @@ def deepspeed_config(
 
 
 def use_fused_adamw(config: LearnerConfig) -> bool:
-    """``config.fused_adamw``, None resolved: fused on CUDA, DeepSpeed's foreach elsewhere."""
-    return torch.cuda.is_available() if config.fused_adamw is None else config.fused_adamw
+    """``config.fused_adamw``, None resolved: fused on CUDA, DeepSpeed's foreach elsewhere
+    and wherever the optimizer is offloaded (its step runs on the host)."""
+    if config.fused_adamw is None:
+        return torch.cuda.is_available() and not config.offload_optimizer
+    return config.fused_adamw
 
 
 def initialize_engine(

@@ -18,7 +18,12 @@ trained with AdamW under ZeRO, and the frozen reference. Per rank, in bytes:
   checkpointing, 5.04 MB/token): :data:`ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN`.
 - **transients** outside a micro-batch (never at the same time as one): the optimizer
   step's fp32 copy of a gradient partition (``4 P / N``), and under ZeRO-3 the export's
-  gather of the whole policy (``2 P``; weight sync and checkpoint export).
+  gather of one bucket of the policy (``sync.bucket_mb``, at most ``2 P``; weight sync and
+  checkpoint export, :mod:`learner.weights`).
+- **offload** (``learner.offload_optimizer`` / ``offload_params``): the same estimators with
+  ``cpu_offload`` say what stays on the device; the optimizer states (12 bytes per
+  parameter, partitioned) and, with ``offload_params``, the partitioned weights move to the
+  host (:attr:`RankMemory.host`), and the optimizer step's transient with them.
 
 The peak is the states plus the largest of the three. :func:`check_learner_fits` refuses a
 plan over the device's share with a message that names the rank, the bytes and settings
@@ -137,10 +142,11 @@ class RankMemory:
     """Bytes one learner rank holds (module docstring).
 
     Attributes:
-        policy_states, critic_states, reference: the model states.
+        policy_states, critic_states, reference: the model states on the device.
         activations: the largest micro-batch (``micro_batch_tokens`` tokens).
         optimizer_transient, export_transient: held outside micro-batches.
         micro_batch_tokens: the tokens ``activations`` is for.
+        host: what offload keeps in this rank's host memory instead (0 without offload).
     """
 
     policy_states: int
@@ -150,6 +156,7 @@ class RankMemory:
     optimizer_transient: int
     export_transient: int
     micro_batch_tokens: int
+    host: int = 0
 
     @property
     def states(self) -> int:
@@ -163,31 +170,51 @@ class RankMemory:
 
 
 def model_state_bytes(
-    parameters: int, largest_layer: int, zero_stage: int, ranks: int, bf16: bool
-) -> int:
-    """One trained model's states per rank without offload (module docstring): DeepSpeed's
-    own estimate in bf16 (``estimate_zero2_model_states_mem_needs`` for stages 0-2,
-    ``estimate_zero3_model_states_mem_needs`` for 3; one node of ``ranks`` GPUs); in fp32
-    4 bytes of weights and gradients and 8 of Adam moments per parameter, the weights
-    replicated below ZeRO-3."""
+    parameters: int,
+    largest_layer: int,
+    zero_stage: int,
+    ranks: int,
+    bf16: bool,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+) -> tuple[int, int]:
+    """One trained model's states per rank, ``(device bytes, host bytes)`` (module
+    docstring): DeepSpeed's own estimate in bf16 (``estimate_zero2_model_states_mem_needs``
+    for stages 0-2, ``estimate_zero3_model_states_mem_needs`` for 3; one node of ``ranks``
+    GPUs; its ``cpu_offload`` / ``cpu_offload_params`` for the device side of offload); in
+    fp32 4 bytes of weights and gradients and 8 of Adam moments per parameter, the weights
+    replicated below ZeRO-3. Host bytes: the offloaded optimizer states (12 per parameter,
+    partitioned) and weights (2 or 4, partitioned)."""
+    weight = 2 if bf16 else 4
+    host = 0
+    if offload_optimizer:
+        host += math.ceil(12 * parameters / ranks)
+    if offload_params:
+        host += math.ceil(weight * parameters / ranks)
     if not bf16:
         if zero_stage == 3:
-            return 4 * largest_layer + math.ceil(16 * parameters / ranks)
-        return 4 * parameters + math.ceil(12 * parameters / ranks)
+            device = 4 * largest_layer + math.ceil(16 * parameters / ranks)
+        else:
+            device = 4 * parameters + math.ceil(12 * parameters / ranks)
+        if offload_optimizer:
+            device -= math.ceil(8 * parameters / ranks)  # the moments (the weights are master)
+        if offload_params:
+            device -= math.ceil(4 * parameters / ranks)
+        return device, host
     if zero_stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         _, gpu, _ = estimate_zero3_model_states_mem_needs(
-            parameters, largest_layer, num_gpus_per_node=ranks, cpu_offload=False,
-            cpu_offload_params=False,
+            parameters, largest_layer, num_gpus_per_node=ranks, cpu_offload=offload_optimizer,
+            cpu_offload_params=offload_params,
         )  # fmt: skip
-        return int(gpu)
+        return int(gpu), host
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     _, gpu = estimate_zero2_model_states_mem_needs(
-        parameters, num_gpus_per_node=ranks, cpu_offload=False
+        parameters, num_gpus_per_node=ranks, cpu_offload=offload_optimizer
     )
-    return int(gpu)
+    return int(gpu), host
 
 
 def activation_bytes(shape: ModelShape, tokens: int) -> int:
@@ -197,6 +224,10 @@ def activation_bytes(shape: ModelShape, tokens: int) -> int:
     return tokens * per_token
 
 
+DEFAULT_BUCKET_BYTES = 1 << 30
+"""The weight export's bucket when none is named (``sync.bucket_mb``'s default)."""
+
+
 def learner_rank_memory(
     shape: ModelShape,
     *,
@@ -204,23 +235,36 @@ def learner_rank_memory(
     ranks: int,
     bf16: bool,
     micro_batch_tokens: int,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> RankMemory:
     """The plan of one rank of ``ranks`` at ``zero_stage`` for micro-batches of at most
-    ``micro_batch_tokens`` tokens (bytes; module docstring)."""
-    policy = model_state_bytes(shape.policy, shape.largest_layer, zero_stage, ranks, bf16)
-    critic = model_state_bytes(shape.critic, shape.largest_layer, zero_stage, ranks, bf16)
+    ``micro_batch_tokens`` tokens, with the optimizer states / parameters offloaded to the
+    host or not, exporting ``bucket_bytes`` at a time (bytes; module docstring)."""
+    offload = dict(offload_optimizer=offload_optimizer, offload_params=offload_params)
+    policy, policy_host = model_state_bytes(
+        shape.policy, shape.largest_layer, zero_stage, ranks, bf16, **offload
+    )
+    critic, critic_host = model_state_bytes(
+        shape.critic, shape.largest_layer, zero_stage, ranks, bf16, **offload
+    )
     weight_bytes = 2 if bf16 else 4
     reference = weight_bytes * shape.policy
+    reference_host = 0
     if zero_stage == 3:
         reference = math.ceil(reference / ranks)
+        if offload_params:
+            reference, reference_host = 0, reference
     return RankMemory(
         policy_states=policy,
         critic_states=critic,
         reference=reference,
         activations=activation_bytes(shape, micro_batch_tokens),
-        optimizer_transient=math.ceil(4 * shape.policy / ranks),
-        export_transient=weight_bytes * shape.policy if zero_stage == 3 else 0,
+        optimizer_transient=0 if offload_optimizer else math.ceil(4 * shape.policy / ranks),
+        export_transient=min(bucket_bytes, weight_bytes * shape.policy) if zero_stage == 3 else 0,
         micro_batch_tokens=micro_batch_tokens,
+        host=policy_host + critic_host + reference_host,
     )
 
 
@@ -231,16 +275,18 @@ def fits(memory: RankMemory, device_bytes: int) -> bool:
 
 def settings_that_fit(
     shape: ModelShape, device_bytes: int, *, bf16: bool, micro_batch_tokens: int,
-    max_ranks: int,
+    max_ranks: int, offload_optimizer: bool = False, offload_params: bool = False,
 ) -> list[tuple[int, int]]:  # fmt: skip
-    """``(zero_stage, ranks)`` pairs up to ``max_ranks`` whose plan fits, the fewest ranks
-    first (ZeRO-2 before 3 at equal ranks)."""
+    """``(zero_stage, ranks)`` pairs up to ``max_ranks`` whose plan fits with the given
+    offload (``offload_params`` only where it applies, at ZeRO-3), the fewest ranks first
+    (ZeRO-2 before 3 at equal ranks)."""
     out = []
     for ranks in range(1, max_ranks + 1):
         for stage in (2, 3):
             plan = learner_rank_memory(
                 shape, zero_stage=stage, ranks=ranks, bf16=bf16,
-                micro_batch_tokens=micro_batch_tokens,
+                micro_batch_tokens=micro_batch_tokens, offload_optimizer=offload_optimizer,
+                offload_params=offload_params and stage == 3,
             )  # fmt: skip
             if fits(plan, device_bytes):
                 out.append((stage, ranks))
@@ -257,6 +303,8 @@ def check_learner_fits(
     device_bytes: int,
     rank: int | None = None,
     max_ranks: int = 8,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
 ) -> RankMemory:
     """The plan, or an error when its peak is over ``device_bytes``.
 
@@ -265,15 +313,16 @@ def check_learner_fits(
             ZeRO stage and rank counts up to ``max_ranks`` that would fit (or that none
             does).
     """
+    offload = dict(offload_optimizer=offload_optimizer, offload_params=offload_params)
     plan = learner_rank_memory(
         shape, zero_stage=zero_stage, ranks=ranks, bf16=bf16,
-        micro_batch_tokens=micro_batch_tokens,
+        micro_batch_tokens=micro_batch_tokens, **offload,
     )  # fmt: skip
     if fits(plan, device_bytes):
         return plan
     options = settings_that_fit(
         shape, device_bytes, bf16=bf16, micro_batch_tokens=micro_batch_tokens,
-        max_ranks=max_ranks,
+        max_ranks=max_ranks, **offload,
     )  # fmt: skip
     who = f"learner rank {rank}" if rank is not None else "every learner rank"
     hint = (
@@ -282,6 +331,8 @@ def check_learner_fits(
         else f"nothing up to {max_ranks} ranks fits: more GPU memory or fewer tokens per "
         "micro-batch"
     )
+    if not offload_optimizer:
+        hint += "; or keep the optimizer states on the host (learner.offload_optimizer)"
     raise MemoryPlanError(
         f"{shape.name} does not fit: {who} of {ranks} at zero_stage {zero_stage} needs "
         f"{describe(plan)}, over the {device_bytes / GIB:.1f} GiB it may use; {hint} "
@@ -291,7 +342,7 @@ def check_learner_fits(
 
 def check_at_start(
     model_path: str | Path, *, zero_stage: int, ranks: int, bf16: bool, device_bytes: int,
-    rank: int,
+    rank: int, offload_optimizer: bool = False, offload_params: bool = False,
 ) -> RankMemory:  # fmt: skip
     """What a learner rank checks before it allocates anything (on CUDA): the model states
     and the smallest micro-batch (:data:`MIN_MICRO_BATCH_TOKENS`) within ``device_bytes``.
@@ -303,6 +354,7 @@ def check_at_start(
     return check_learner_fits(
         ModelShape.load(model_path), zero_stage=zero_stage, ranks=ranks, bf16=bf16,
         micro_batch_tokens=MIN_MICRO_BATCH_TOKENS, device_bytes=device_bytes, rank=rank,
+        offload_optimizer=offload_optimizer, offload_params=offload_params,
     )  # fmt: skip
 
 
@@ -315,8 +367,9 @@ def describe(plan: RankMemory) -> str:
         ("weight export", plan.export_transient),
         key=lambda item: item[1],
     )
+    host = f"; {plan.host / GIB:.1f} GiB offloaded to the host" if plan.host else ""
     return (
         f"{plan.peak / GIB:.1f} GiB (policy {plan.policy_states / GIB:.1f} + critic "
         f"{plan.critic_states / GIB:.1f} + reference {plan.reference / GIB:.1f} + "
-        f"{largest[0]} {largest[1] / GIB:.1f})"
+        f"{largest[0]} {largest[1] / GIB:.1f}{host})"
     )

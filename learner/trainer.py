@@ -178,6 +178,7 @@ class Learner(CheckpointMixin, SupervisedMixin):
                 self.model_path, zero_stage=config.zero_stage, ranks=self.world_size,
                 bf16=config.dtype == "bf16", rank=self.rank,
                 device_bytes=int(torch.cuda.mem_get_info()[1] * config.gpu_memory_fraction),
+                offload_optimizer=config.offload_optimizer, offload_params=config.offload_params,
             )  # fmt: skip
         dtype = self.dtype_choice.torch_dtype
         torch.manual_seed(seed)

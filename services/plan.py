@@ -4,9 +4,9 @@ The learner's side is :mod:`learner.memory_plan` (model states from DeepSpeed's
 estimators, activations calibrated on the committed H200 runs, the transients). The
 engine's side, per rollout actor on its GPU share: vLLM's budget
 (``rollout.vllm_gpu_memory_utilization`` of the GPU, or the weights and
-``rollout.vllm_kv_cache_gib``) plus, with ``sync.transport = "collective"``, the whole
-policy received as one dict on the engine's GPU, outside vLLM's budget (2 bytes per
-parameter in bf16). The plan also states the bytes every sync moves and a checkpoint's
+``rollout.vllm_kv_cache_gib``) plus, with ``sync.transport = "collective"``, the tensor
+being received, outside vLLM's budget (the engine loads each as it arrives; the largest is
+the embedding). The plan also states the bytes every sync moves and a checkpoint's
 size (policy, critic, their optimizer states and the reference).
 
 A plan is for GPU nodes: on a CPU run (``ray.learner_gpus = 0``) it still prints the
@@ -98,18 +98,22 @@ def plan_run(cfg: RunConfig, shape: ModelShape, gpu_bytes: int) -> RunPlan:
     learner = cfg.learner
     bf16 = learner.dtype != "fp32"
     budget = int(gpu_bytes * learner.gpu_memory_fraction)
-    base = dict(zero_stage=learner.zero_stage, ranks=learner.num_ranks, bf16=bf16)
-    states = learner_rank_memory(shape, **base, micro_batch_tokens=0).states
+    offload = dict(
+        offload_optimizer=learner.offload_optimizer, offload_params=learner.offload_params
+    )
+    base = dict(zero_stage=learner.zero_stage, ranks=learner.num_ranks, bf16=bf16, **offload)
+    bucket = cfg.sync.bucket_mb << 20
+    states = learner_rank_memory(shape, **base, micro_batch_tokens=0, bucket_bytes=bucket).states
     tokens = micro_batch_tokens(cfg, shape, states, budget)
-    plan = learner_rank_memory(shape, **base, micro_batch_tokens=tokens)
+    plan = learner_rank_memory(shape, **base, micro_batch_tokens=tokens, bucket_bytes=bucket)
     weights = (2 if bf16 else 4) * shape.policy
     rollout = cfg.rollout
     if rollout.engine == "vllm" and rollout.vllm_kv_cache_gib is None:
         engine = int(rollout.vllm_gpu_memory_utilization * gpu_bytes)
     else:
         engine = weights + int((rollout.vllm_kv_cache_gib or 0.0) * GIB)
-    if cfg.sync.transport == "collective":
-        engine += weights  # the received policy, outside vLLM's budget
+    if cfg.sync.transport == "collective":  # one received tensor at a time, outside vLLM's
+        engine += (2 if bf16 else 4) * shape.largest_layer
     optimizer_states = 12 * (shape.policy + shape.critic)  # fp32 master and moments
     return RunPlan(
         shape=shape,
@@ -122,7 +126,7 @@ def plan_run(cfg: RunConfig, shape: ModelShape, gpu_bytes: int) -> RunPlan:
         checkpoint_bytes=weights + (2 if bf16 else 4) * shape.critic + optimizer_states
         + weights,
         fitting=settings_that_fit(
-            shape, budget, bf16=bf16, micro_batch_tokens=tokens, max_ranks=8
+            shape, budget, bf16=bf16, micro_batch_tokens=tokens, max_ranks=8, **offload
         ),
     )  # fmt: skip
 
@@ -139,8 +143,16 @@ def render(plan: RunPlan, cfg: RunConfig) -> str:
         f"learner, each of {lr.num_ranks} rank(s) at zero_stage {lr.zero_stage}, "
         f"{'bf16' if lr.dtype != 'fp32' else 'fp32'}: {describe(plan.learner)}: {verdict}",
         f"  optimizer step transient {plan.learner.optimizer_transient / GIB:.1f} GiB, "
-        f"weight export transient {plan.learner.export_transient / GIB:.1f} GiB",
+        f"weight export transient {plan.learner.export_transient / GIB:.1f} GiB "
+        f"(sync.bucket_mb {cfg.sync.bucket_mb})",
     ]
+    if plan.learner.host:
+        lines.append(
+            f"  offloaded to host memory: {plan.learner.host / GIB:.1f} GiB per rank, "
+            f"{lr.num_ranks * plan.learner.host / GIB:.1f} GiB per node "
+            f"(learner.offload_optimizer {lr.offload_optimizer}, "
+            f"learner.offload_params {lr.offload_params})"
+        )
     if plan.engine_budget:
         fit = "fits" if plan.engine_fits else "DOES NOT FIT"
         lines.append(

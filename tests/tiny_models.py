@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config
 
 
 def tiny_llama_config(vocab_size: int, tok: Any = None, **overrides: Any) -> LlamaConfig:
@@ -30,6 +30,19 @@ def tiny_llama_config(vocab_size: int, tok: Any = None, **overrides: Any) -> Lla
             pad_token_id=tok.pad_token_id,
         )  # fmt: skip
     return LlamaConfig(**{**fields, **overrides})
+
+
+def tiny_qwen2_config(vocab_size: int, tok: Any = None, **overrides: Any) -> Qwen2Config:
+    """A Qwen2-shaped model of the tiny Llama's size: the q/k/v projections carry biases
+    and the embedding is tied to the LM head, as in Qwen2.5-0.5B to 3B (the shapes the 7B
+    recipe's tests stand in for); ``overrides`` replace any field."""
+    llama = tiny_llama_config(vocab_size, tok).to_dict()
+    fields = {k: llama[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+        "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+    )}  # fmt: skip
+    return Qwen2Config(**{**fields, **overrides})
 
 
 def peaked_llama(tok: Any, seed: int) -> LlamaForCausalLM:

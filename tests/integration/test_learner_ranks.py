@@ -2,7 +2,7 @@
 DeepSpeed, a tiny random Llama in fp32): the same fixed batch, one learner step of two
 optimizer steps (8 trajectories, mini-batches of 4), ``num_ranks`` 1 vs 2, for ``ppo``,
 ``st_ppo`` and ``so_grpo`` at ZeRO-2 and ZeRO-3. Parameters after the steps and every
-exported metric agree within the tolerances below.
+exported metric agree within the tolerances of ``tests/rank_groups.py`` and below.
 
 One Ray cluster and one 1-rank plus one 2-rank group of :class:`LearnerRank` actors serve the
 whole module: the ranks join their process groups once and rebuild their learners per case.
@@ -15,68 +15,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from learner_factories import make_batch
+from rank_groups import Ranks, assert_same_weights
 
 from learner.config import LearnerConfig, PPOConfig, SOGRPOConfig, STPPOConfig
 
 pytestmark = pytest.mark.integration
 
-PARAM_RTOL, PARAM_ATOL = 1e-5, 5e-7
-"""Parameters: fp32 weights after two AdamW steps of lr 1e-3, ``micro_batch_size`` 1 on both
-sides (the same forward shapes), so only the gradient's summation order differs (all-reduce
-vs accumulation). Measured: max |dw| 1.6e-7 (about one fp32 ulp at |w| ~ 1). With other
-micro-batch shapes the padding changes the forward's rounding (~1e-7 relative) and AdamW's
-first steps, ``lr * g / (|g| + eps)``, amplify it where a gradient element is ~1e-8 (a few
-weights per tensor moved by up to ~2e-5): see the clip-bias test below."""
-
-PARAM_OUTLIER_FRACTION, PARAM_OUTLIER_ATOL = 1e-3, 2e-5
-"""AdamW's amplification also reaches a rare weight when only the summation order differs:
-CI measured one weight in 8,192 off by 1.1e-6 (rel 7e-5) where this session measured
-1.6e-7 (a different thread count splits the reductions differently). So a tensor may have
-up to 0.1% of its weights outside the rtol/atol above, none by more than 2e-5 (2% of lr)."""
-
 METRIC_RTOL, METRIC_ATOL = 1e-5, 1e-6
 
-
-def assert_same_weights(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Equal within ``PARAM_RTOL``/``PARAM_ATOL`` but for AdamW-amplified outliers (above)."""
-    close = torch.isclose(actual, expected, rtol=PARAM_RTOL, atol=PARAM_ATOL)
-    worst = float((actual - expected).abs().max())
-    outliers = float((~close).float().mean())
-    assert outliers <= PARAM_OUTLIER_FRACTION and worst <= PARAM_OUTLIER_ATOL, (
-        f"{name}: {outliers:.2%} of weights outside rtol {PARAM_RTOL} / atol {PARAM_ATOL}, "
-        f"largest difference {worst:.2e}"
-    )
-
-
 NOT_COMPARED = {"step_s", "tokens_per_s"}  # wall time
-
-
-class Ranks:
-    """``world_size`` :class:`services.learner_group.LearnerRank` actors in one group."""
-
-    def __init__(self, world_size: int) -> None:
-        import ray
-
-        from services.learner_group import LearnerRank
-        from services.ray_actors import _actor_env
-
-        cls = ray.remote(LearnerRank).options(num_cpus=1, runtime_env=_actor_env())
-        self.actors = [cls.remote(rank, world_size) for rank in range(world_size)]
-        addr, port = ray.get(self.actors[0].rendezvous_address.remote())
-        ray.get([a.join.remote(addr, port, 300.0) for a in self.actors], timeout=300)
-
-    def build(self, model: Path, config: LearnerConfig, algorithm) -> None:
-        import ray
-
-        args = (str(model), config, algorithm, 0, 1.0)
-        ray.get([a.build.remote(*args) for a in self.actors], timeout=300)
-
-    def call(self, method: str, *args):
-        import ray
-
-        return ray.get([a.call.remote(method, *args) for a in self.actors], timeout=300)
 
 
 @pytest.fixture(scope="module")

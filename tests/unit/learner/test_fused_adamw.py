@@ -1,6 +1,7 @@
 """The fused AdamW the learner builds itself (``learner.fused_adamw``; the default on CUDA)
-takes the same step as DeepSpeed's ``torch_adam`` (torch's foreach AdamW), under ZeRO 0 and
-ZeRO 2. On CPU torch has a fused AdamW kernel too, so the client-optimizer path is checked
+takes the same step as DeepSpeed's ``torch_adam`` (torch's foreach AdamW), under ZeRO 0, 2
+and 3 (the 7B recipe's stage, where ZeRO-3 hands the fused optimizer its flat fp32
+partitions). On CPU torch has a fused AdamW kernel too, so the client-optimizer path is checked
 here; ``tests/gpu`` runs it on CUDA by default."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from learner.config import LearnerConfig, PPOConfig
 from learner.engines import use_fused_adamw
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_fused_adamw_takes_the_foreach_step(tiny_llama_dir, zero_stage):
     params = {}
     for fused in (False, True):

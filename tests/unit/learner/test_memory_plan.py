@@ -78,8 +78,46 @@ def test_zero3_shards_what_zero2_replicates():
     # ZeRO-3: everything but the gathered largest layer is divided by the ranks
     assert plans[3, 8].states < plans[2, 8].states
     assert plans[3, 8].reference == -(-2 * seven.policy // 8)
-    assert plans[3, 8].export_transient == 2 * seven.policy  # the whole policy, gathered
+    assert plans[3, 8].export_transient == 1 << 30  # one bucket gathered at a time
     assert plans[2, 8].export_transient == 0
+    whole = learner_rank_memory(
+        seven, zero_stage=3, ranks=8, bf16=True, micro_batch_tokens=1024, bucket_bytes=1 << 40
+    )
+    assert whole.export_transient == 2 * seven.policy  # a bucket larger than the model
+
+
+def test_offload_moves_the_optimizer_states_and_weights_to_the_host():
+    """DeepSpeed's estimators with ``cpu_offload``: what stays on the GPU; the host holds
+    12 bytes per parameter of optimizer states (and the weights with offload_params),
+    partitioned over the ranks."""
+    seven = ModelShape.load("qwen2.5-7b")
+    plain, optimizer, both = (
+        learner_rank_memory(
+            seven,
+            zero_stage=3,
+            ranks=4,
+            bf16=True,
+            micro_batch_tokens=1024,
+            offload_optimizer=opt,
+            offload_params=params,
+        )  # fmt: skip
+        for opt, params in ((False, False), (True, False), (True, True))
+    )
+    trained = seven.policy + seven.critic
+    assert plain.host == 0
+    assert optimizer.host == -(-12 * seven.policy // 4) + -(-12 * seven.critic // 4)
+    assert optimizer.states < plain.states - 0.9 * 12 * trained / 4
+    assert optimizer.optimizer_transient == 0  # the step runs on the host
+    assert both.host > optimizer.host + 2 * trained / 4
+    assert both.reference == 0 and both.states < optimizer.states
+    # the 1.7B shape on one 80 GB GPU beside nothing else: ZeRO-2 with the optimizer
+    # offloaded fits where it does not without
+    small = ModelShape.load("smollm2-1.7b")
+    budget = int(0.5 * 80e9)
+    kwargs = dict(zero_stage=2, ranks=1, bf16=True, micro_batch_tokens=4096, device_bytes=budget)
+    with pytest.raises(MemoryPlanError, match="offload"):
+        check_learner_fits(small, **kwargs)
+    assert check_learner_fits(small, **kwargs, offload_optimizer=True).peak <= budget
 
 
 def test_7b_under_zero2_on_6_ranks_is_refused_naming_the_bytes_and_what_fits():

@@ -89,6 +89,19 @@ def test_dotted_overrides_parse_toml_values():
             "learner: Value error, compile_layers needs zero_stage <= 2",
         ),
         (
+            ["learner.offload_optimizer=true", "learner.zero_stage=0"],
+            "learner: Value error, offload_optimizer needs zero_stage >= 1",
+        ),
+        (
+            ["learner.offload_params=true", "learner.zero_stage=2"],
+            "learner: Value error, offload_params needs zero_stage = 3, got 2",
+        ),
+        (
+            ["learner.offload_optimizer=true", "learner.fused_adamw=true"],
+            "learner: Value error, fused_adamw = true with offload_optimizer",
+        ),
+        (["sync.bucket_mb=0"], "sync.bucket_mb"),
+        (
             ["ray.learner_gpus=1", "ray.rollout_actor_gpus=0.5", 'sync.transport="collective"'],
             "sync.transport = 'collective' with ray.rollout_actor_gpus = 0.5: ranks that "
             "share a GPU cannot be in one NCCL group",
