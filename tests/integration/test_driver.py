@@ -452,3 +452,41 @@ def test_continuous_batching_run_keeps_the_bound(tmp_path: Path, tiny_llama_dir:
     for line in read_jsonl(cfg.run_dir / "consumed.jsonl"):
         for staleness, runs in zip(line["staleness"], line["token_versions"], strict=True):
             assert line["step"] - 1 - runs[0][0] == staleness <= 2  # the oldest token's
+
+
+def test_the_stability_guard_acts_through_the_control_plane_in_a_run(
+    tmp_path: Path, tiny_llama_dir: Path, capfd
+):
+    """``guard.mode = "act"`` with a rule that holds from learner step 2 (the record's own
+    ``step``): the guard lowers ``buffer.max_staleness`` 4 -> 1 through the control plane,
+    the driver applies it at the next step boundary like a person's change, and the run
+    writes guard.jsonl, the metrics and the end-of-run line."""
+    from services.config import update_config
+
+    extra = {"run.num_steps": 4, "run.eval_questions": 0, "buffer.max_staleness": 4}
+    guard = {"mode": "act", "warmup_steps": 0, "window": 1,
+             "rules": [{"signal": "step", "above": 1.5, "level": "act"}]}  # fmt: skip
+    cfg = update_config(tiny_run_config(tmp_path, tiny_llama_dir, **extra), {"guard": guard})
+    run = RunInThread(cfg)
+    run.thread.join(900)
+    assert not run.thread.is_alive(), "run did not finish"
+    if run.error is not None:
+        raise run.error
+    decisions = read_jsonl(cfg.run_dir / "guard.jsonl")
+    assert decisions[0]["step"] == 2 and decisions[0]["level"] == "act"
+    assert decisions[0]["action"] == "lower_staleness"
+    assert decisions[0]["after"] == {"buffer.max_staleness": 1}
+    assert all(d["level"] == "warn" and d["reason"] == "cooldown" for d in decisions[1:])
+    changes = read_jsonl(cfg.run_dir / "config_changes.jsonl")
+    assert {"learner_step": 2, "fields": ["buffer.max_staleness"]} in [
+        {k: c[k] for k in ("learner_step", "fields")} for c in changes
+    ]
+    steps = read_jsonl(cfg.run_dir / "steps.jsonl")
+    assert all(s["staleness_max"] <= 1 for s in steps[2:])  # steps 3 and 4 under the new bound
+    assert run.driver.control.config.buffer.max_staleness == 1
+    assert run.driver.control.person_fields == set()
+    metrics = run.driver.services.metrics
+    assert metrics.guard_actions_total.labels(action="lower_staleness")._value.get() == 1
+    out = capfd.readouterr()
+    assert "stability guard (mode act): " in out.out + out.err
+    assert "acted: lower_staleness at step 2 (step > 1.5)" in out.out + out.err
