@@ -378,7 +378,6 @@ def _default_rules() -> list[GuardRule]:
         GuardRule(signal="behavior_log_ratio_abs_mean", above=0.1, level="act"),
         GuardRule(signal="malformed_rate", above=0.5, level="act"),
         GuardRule(signal="approx_kl", above=0.02, level="warn"),
-        GuardRule(signal="grad_norm", above=0.9, level="warn"),
     ]
 
 

@@ -227,7 +227,7 @@ def test_the_autopilot_requests_through_the_control_plane_and_writes_its_decisio
     assert pending is not None and pending.buffer.max_staleness == 4
     assert control.person_fields == set()  # the guard's change is not a person's
     logged = [json.loads(line) for line in (tmp_path / "guard.jsonl").read_text().splitlines()]
-    assert logged[0]["step"] == 16  # nothing held before (approx_kl and grad_norm quiet)
+    assert logged[0]["step"] == 16  # nothing held before (approx_kl quiet)
     act = logged[0]
     assert {"step", "signals", "rule", "action", "before", "after", "mode"} <= set(act)
     assert act["level"] == "act" and act["after"] == {"buffer.max_staleness": 4}
