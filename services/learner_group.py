@@ -210,6 +210,45 @@ class _Method:
         return self._group._submit(self._name, self._num_returns, args, kwargs)
 
 
+def reserve_learner_bundles(cfg: RunConfig, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Any:
+    """A placement group of ``learner.num_ranks`` bundles (``ray.learner_cpus`` CPUs,
+    ``ray.learner_gpus`` GPUs, ``ray.learner_resources``), packed, once the cluster has
+    granted it: the ranks' GPUs are reserved together before any rank starts.
+
+    Raises:
+        TimeoutError: not granted within ``timeout_s`` (the message names the bundle and
+            the settings to change).
+    """
+    from ray.util.placement_group import placement_group
+
+    ranks = cfg.learner.num_ranks
+    bundle = {"CPU": cfg.ray.learner_cpus, "GPU": cfg.ray.learner_gpus}
+    bundle.update(cfg.ray.learner_resources)
+    bundle = {k: float(v) for k, v in bundle.items() if v > 0}
+    group = placement_group([bundle] * ranks, strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(group)
+        raise TimeoutError(
+            f"the Ray cluster did not grant {ranks} learner bundle(s) of {bundle} "
+            f"within {timeout_s:.0f} s: lower learner.num_ranks or add nodes "
+            "with these resources (ray.learner_cpus / learner_gpus / learner_resources)"
+        )
+    return group
+
+
+def learner_rank_options(cfg: RunConfig, group: Any, rank: int) -> dict[str, Any]:
+    """``.options`` of learner rank ``rank``: :func:`services.ray_actors.learner_actor_options`
+    in bundle ``rank`` of ``group`` (:func:`reserve_learner_bundles`)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    options = learner_actor_options(cfg, rank)
+    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=rank
+    )
+    return options
+
+
 class LearnerGroup:
     """``cfg.learner.num_ranks`` learner ranks behind one actor-like handle.
 
@@ -236,35 +275,18 @@ class LearnerGroup:
     def __init__(
         self, cfg: RunConfig, timeout_s: float = 600.0, say: Callable[[str], None] = print
     ) -> None:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         self.ranks: list[Any] = []
         self.placement_group: Any = None
         self.num_ranks = cfg.learner.num_ranks
         self.last_checkpoint: str | None = None
         self._pending_checkpoint: tuple[Any, str] | None = None
-        bundle = {"CPU": cfg.ray.learner_cpus, "GPU": cfg.ray.learner_gpus}
-        bundle.update(cfg.ray.learner_resources)
-        bundle = {k: float(v) for k, v in bundle.items() if v > 0}
-        self.placement_group = placement_group([bundle] * self.num_ranks, strategy="PACK")
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
-            ray.util.remove_placement_group(self.placement_group)
-            raise TimeoutError(
-                f"the Ray cluster did not grant {self.num_ranks} learner bundle(s) of {bundle} "
-                f"within {PLACEMENT_TIMEOUT_S:.0f} s: lower learner.num_ranks or add nodes "
-                "with these resources (ray.learner_cpus / learner_gpus / learner_resources)"
-            )
-        self.ranks = []
-        for rank in range(self.num_ranks):
-            options = learner_actor_options(cfg, rank)
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=rank
-            )
-            self.ranks.append(
-                ray.remote(LearnerRank).options(**options).remote(rank, self.num_ranks)
-            )
+        self.placement_group = reserve_learner_bundles(cfg)
+        self.ranks = [
+            ray.remote(LearnerRank)
+            .options(**learner_rank_options(cfg, self.placement_group, rank))
+            .remote(rank, self.num_ranks)
+            for rank in range(self.num_ranks)
+        ]
         addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
         # asked before setup is queued: an actor runs one call at a time, so asked after, the
         # addresses would only come back once every rank had joined and built its engines
