@@ -240,3 +240,15 @@ def test_memory_token_budget_settles_after_the_first_step(tiny_llama_dir: Path):
     assert 0 < probe.state_bytes <= probe.optimizer_peak_bytes < total
     assert learner.micro_batches.auto_micro_batch_tokens >= 256
     assert learner.step(make_batch(2)).skipped_steps == 0  # the settled budget runs
+
+
+def test_the_installed_torch_is_built_for_the_cuda_the_image_and_docs_name():
+    """pyproject ``[tool.stppo] torch_cuda`` (what deploy/Dockerfile's base and the docs'
+    driver floor follow) is what the installed CUDA torch was built for."""
+    import tomllib
+
+    from services.env import PROJECT_ROOT
+
+    pinned = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["tool"]["stppo"]
+    assert torch.version.cuda is not None
+    assert ".".join(torch.version.cuda.split(".")[:2]) == pinned["torch_cuda"]

@@ -108,3 +108,24 @@ def test_image_carries_every_pinned_package_and_points_prepare_at_them():
     # the experiment configs the package data link points at are in the image
     assert "deploy/configs ./deploy/configs" in copies
     assert os.readlink(PROJECT_ROOT / "services" / "configs") == "../deploy/configs"
+
+
+def torch_cuda() -> str:
+    """The CUDA release the pinned PyPI torch is built for (pyproject ``[tool.stppo]``)."""
+    import tomllib
+
+    return tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["tool"]["stppo"][
+        "torch_cuda"
+    ]
+
+
+def test_the_cuda_base_image_is_the_cuda_of_the_pinned_torch():
+    """An image on an older CUDA than torch's needs no newer driver by its label, and a node
+    with such a driver then sees no GPU (torch 2.13.0 is a CUDA 13.0 build; the base was
+    12.8): the two must be one release."""
+    bases = [args for word, args in instructions(DOCKERFILE.read_text()) if word == "FROM"]
+    cuda = [b for b in bases if b.startswith("nvidia/cuda:")]
+    assert len(cuda) == 1, bases
+    release = re.match(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-", cuda[0])
+    assert release, cuda[0]
+    assert f"{release[1]}.{release[2]}" == torch_cuda(), (cuda[0], torch_cuda())
