@@ -207,7 +207,8 @@ class SyncConfig(StrictModel):
 
     collective_timeout_s: float = Field(1800.0, gt=0.0, le=86_400.0)
     """``collective``: how long a member waits for the others in one broadcast. An engine
-    takes part when its current generation batch ends, so this bounds a batch."""
+    takes part at its rollout's next safe point (``rollout.interrupt_every_tokens``), or
+    when its current generation batch ends (0), so this bounds a batch."""
 
     join_timeout_s: float = Field(60.0, gt=0.0, le=3_600.0)
     """``collective``: how long forming the group may take (learner and every engine

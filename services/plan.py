@@ -29,6 +29,25 @@ from learner.memory_plan import (
 from learner.micro_batches import settled_token_budget
 from services.config import RunConfig
 
+CHECKPOINT_WRITE_BYTES_PER_S = 500e6
+"""The write bandwidth a checkpoint's time is stated at: 500 MB/s, a conservative figure
+for a shared ReadWriteMany volume (NFS, CephFS, EFS throughput tiers reach it; node-local
+NVMe is several times faster)."""
+
+GPU_BF16_FLOPS = 989e12
+"""Dense bf16 peak of one H100/H200 (FLOP/s), for the learner step's time estimate."""
+
+LEARNER_MFU = 0.25
+"""The share of that peak a learner step is planned at: RL micro-batches are short and the
+step also runs the critic and the reference, so well under pre-training's 40-50%."""
+
+STOP_MARGIN_S = 60.0
+"""Seconds a stopping driver needs beyond the step and the checkpoint (its own shutdown)."""
+
+DATA_BYTES = 20 * GIB
+"""The shared volume's room for what ``stppo prepare`` writes (corpus, BM25 index, QA sets:
+about 6 GB) and the run folders' logs, with margin."""
+
 PROMPT_TOKENS = 512
 """Tokens planned for a prompt (system instruction and question; Search-R1's prompt is
 about 250) when micro-batches are cut by count: a trajectory is at most this plus
@@ -68,6 +87,65 @@ class RunPlan:
     @property
     def engine_fits(self) -> bool:
         return self.engine_budget == 0 or self.engine_bytes <= self.engine_budget
+
+
+@dataclass(frozen=True)
+class ClusterSizes:
+    """What a KubeRay deployment of a run needs beyond GPUs (``stppo plan`` prints it;
+    ``deploy/k8s/overlays`` are checked against it).
+
+    Attributes:
+        volume_bytes: the shared volume: ``checkpoint.keep_last + 1`` checkpoints (the
+            newest is written before the oldest goes), the model's weights (downloaded
+            once) and :data:`DATA_BYTES`.
+        checkpoint_write_s: one checkpoint at :data:`CHECKPOINT_WRITE_BYTES_PER_S`.
+        step_s: a learner step's estimated time (:func:`learner_step_s`).
+        grace_s: the head's ``terminationGracePeriodSeconds``: twice the step estimate
+            (the step in flight), a checkpoint and :data:`STOP_MARGIN_S`.
+        learner_host_bytes: host memory of the learner pod: each rank loads the policy,
+            critic and reference on the host before DeepSpeed moves them to its GPU, plus
+            what offload keeps there.
+    """
+
+    volume_bytes: int
+    checkpoint_write_s: float
+    step_s: float
+    grace_s: float
+    learner_host_bytes: int
+
+
+def learner_step_s(cfg: RunConfig, shape: ModelShape) -> float:
+    """A learner step's time on GPUs, estimated from its FLOPs: per token of the batch (at
+    most ``PROMPT_TOKENS + rollout.max_response_tokens``, ``learner.ppo_epochs`` times)
+    6 P to train the policy and 6 P the critic, 2 P each for the reference's and the
+    proximal log-probs' forwards (16 P; 4/3 of the forwards again with gradient
+    checkpointing), over ``learner.num_ranks`` GPUs at :data:`LEARNER_MFU` of
+    :data:`GPU_BF16_FLOPS`."""
+    learner = cfg.learner
+    tokens = (
+        learner.train_batch_size
+        * learner.ppo_epochs
+        * (PROMPT_TOKENS + cfg.rollout.max_response_tokens)
+    )
+    flops = 16 * shape.policy * tokens * (4 / 3 if learner.gradient_checkpointing else 1.0)
+    return flops / (learner.num_ranks * GPU_BF16_FLOPS * LEARNER_MFU)
+
+
+def cluster_sizes(plan: RunPlan, cfg: RunConfig) -> ClusterSizes:
+    """:class:`ClusterSizes` of ``cfg`` from its plan."""
+    weight = 2 if cfg.learner.dtype != "fp32" else 4
+    write_s = plan.checkpoint_bytes / CHECKPOINT_WRITE_BYTES_PER_S
+    step_s = learner_step_s(cfg, plan.shape)
+    loaded = weight * (2 * plan.shape.policy + plan.shape.critic)
+    return ClusterSizes(
+        volume_bytes=(cfg.checkpoint.keep_last + 1) * plan.checkpoint_bytes
+        + weight * plan.shape.policy
+        + DATA_BYTES,
+        checkpoint_write_s=write_s,
+        step_s=step_s,
+        grace_s=2 * step_s + write_s + STOP_MARGIN_S,
+        learner_host_bytes=cfg.learner.num_ranks * (loaded + plan.learner.host),
+    )
 
 
 def gpus_needed(cfg: RunConfig) -> float:
@@ -165,9 +243,21 @@ def render(plan: RunPlan, cfg: RunConfig) -> str:
         f"{cfg.ray.learner_gpus:g}, {cfg.rollout.num_actors} engine(s) x "
         f"{cfg.ray.rollout_actor_gpus:g})"
     )
+    sizes = cluster_sizes(plan, cfg)
     lines.append(
         f"each weight sync sends {plan.sync_bytes / GIB:.1f} GiB to every engine; a "
-        f"checkpoint is {plan.checkpoint_bytes / GIB:.1f} GiB on disk"
+        f"checkpoint is {plan.checkpoint_bytes / GIB:.1f} GiB on disk, "
+        f"{sizes.checkpoint_write_s:.0f} s to write at "
+        f"{CHECKPOINT_WRITE_BYTES_PER_S / 1e6:.0f} MB/s"
+    )
+    lines.append(
+        f"on KubeRay: a shared volume of at least {sizes.volume_bytes / GIB:.0f} GiB "
+        f"({cfg.checkpoint.keep_last + 1} checkpoints, the model, data), the head's "
+        f"terminationGracePeriodSeconds at least {sizes.grace_s:.0f} (a step in flight, "
+        f"estimated {sizes.step_s:.0f} s at {LEARNER_MFU:.0%} of a GPU's bf16 peak, twice; "
+        "then a checkpoint), the learner pod's memory at least "
+        f"{sizes.learner_host_bytes / GIB:.0f} GiB (each rank loads its three models on the "
+        "host first)"
     )
     if plan.fitting:
         options = ", ".join(f"zero_stage {z} on {n}" for z, n in plan.fitting[:4])

@@ -36,7 +36,9 @@ from services.env import PROJECT_ROOT
 pytestmark = pytest.mark.integration  # kubectl kustomize renders the overlays
 
 DEPLOY = PROJECT_ROOT / "deploy"
-OVERLAYS = ("cpu-demo", "gpu")
+OVERLAYS = ("cpu-demo", "gpu", "gpu-7b")
+GPU_OVERLAY_SHAPES = {"gpu": "smollm2-135m", "gpu-7b": "qwen2.5-7b"}
+"""The GPU overlays and the named model shape of the run each submits (``stppo plan``)."""
 CRD_DIR = DEPLOY / "schemas" / "kuberay"
 K8S_VERSION = "1.33.0"
 CLUSTER_SCOPED = {"Namespace"}
@@ -234,7 +236,9 @@ def test_strict_validation_rejects_typos():
 def test_rayjob_entrypoint_config_exists_is_mounted_and_loads(overlay):
     objects = rendered(overlay)
     file_name, _, cfg = run_config_of(objects)
-    expected = {"cpu-demo": "k8s_cpu_demo.toml", "gpu": "k8s_gpu.toml"}[overlay]
+    expected = {
+        "cpu-demo": "k8s_cpu_demo.toml", "gpu": "k8s_gpu.toml", "gpu-7b": "k8s_gpu_7b.toml",
+    }[overlay]  # fmt: skip
     assert file_name == expected
     head = head_container(objects)
     (mount,) = [m for m in head["volumeMounts"] if m["mountPath"] == "/configs"]
@@ -455,10 +459,12 @@ def test_ray_resources_fit_the_run_config_and_pin_each_group(overlay):
         assert per_pod >= 1 and per_pod * group["replicas"] >= wanted, name
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
     assert spec["enableInTreeAutoscaling"] is True
-    assert groups["rollout"]["maxReplicas"] > groups["rollout"]["replicas"]  # room to scale
+    if overlay == "gpu":  # room to scale; the 7B node's 8 GPUs are all in the split
+        assert groups["rollout"]["maxReplicas"] > groups["rollout"]["replicas"]
+    assert groups["rollout"]["maxReplicas"] == cfg.ray.max_rollout_actors
     tolerations = groups["learner"]["template"]["spec"]["tolerations"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
-    if overlay == "gpu":  # the learner pod has one GPU per learner rank
+    if overlay in GPU_OVERLAY_SHAPES:  # the learner pod has one GPU per learner rank
         assert cfg.ray.learner_gpus == 1
         limits = groups["learner"]["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == str(ranks) and ranks >= 2
@@ -882,3 +888,46 @@ def test_local_prometheus_config_passes_promtool():
 
     assert targets["stppo-driver"] == [f"127.0.0.1:{MetricsConfig().port}"]
     assert targets["stppo-retrieval"] == [f"127.0.0.1:{RetrievalServerConfig().port}"]
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes memory/storage quantity (``700Gi``, ``16G``) in bytes."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6,
+             "G": 10**9, "T": 10**12}  # fmt: skip
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i?)?", quantity)
+    assert match, quantity
+    return int(float(match[1]) * units.get(match[2] or "", 1))
+
+
+@pytest.mark.parametrize("overlay", sorted(GPU_OVERLAY_SHAPES))
+def test_a_gpu_overlay_is_sized_by_the_plan_of_the_run_it_submits(overlay):
+    """The run passes ``stppo plan`` on 80 GB GPUs; the learner pod has one GPU and one
+    ``stppo_learner`` per rank; the shared volume, the head's grace period and the learner
+    pod's memory are at least what the plan states (:func:`services.plan.cluster_sizes`);
+    the GPU pods' /dev/shm holds NCCL's and Ray's buffers (16 GiB at least)."""
+    from learner.memory_plan import GIB, ModelShape
+    from services.plan import cluster_sizes, plan_run
+
+    objects = rendered(overlay)
+    _, _, cfg = run_config_of(objects)
+    plan = plan_run(cfg, ModelShape.load(GPU_OVERLAY_SHAPES[overlay]), int(79.6 * GIB))
+    assert plan.learner_fits and plan.engine_fits, overlay
+    sizes = cluster_sizes(plan, cfg)
+    volume = one(objects, "PersistentVolumeClaim")["spec"]["resources"]["requests"]["storage"]
+    assert quantity_bytes(volume) >= sizes.volume_bytes, (volume, sizes.volume_bytes / GIB)
+    cluster = one(objects, "RayCluster")["spec"]
+    grace = cluster["headGroupSpec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= sizes.grace_s, (grace, sizes.grace_s)
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    learner_pod = groups["learner"]["template"]["spec"]
+    limits = learner_pod["containers"][0]["resources"]["limits"]
+    assert int(limits["nvidia.com/gpu"]) == cfg.learner.num_ranks
+    assert json.loads(json.loads(groups["learner"]["rayStartParams"]["resources"])) == {
+        "stppo_learner": cfg.learner.num_ranks
+    }
+    assert quantity_bytes(limits["memory"]) >= sizes.learner_host_bytes
+    assert groups["rollout"]["maxReplicas"] >= cfg.rollout.num_actors
+    for name in ("learner", "rollout"):
+        pod = groups[name]["template"]["spec"]
+        (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert quantity_bytes(shm["emptyDir"]["sizeLimit"]) >= 16 * GIB, (name, shm)

@@ -91,16 +91,9 @@ def test_offload_moves_the_optimizer_states_and_weights_to_the_host():
     12 bytes per parameter of optimizer states (and the weights with offload_params),
     partitioned over the ranks."""
     seven = ModelShape.load("qwen2.5-7b")
+    common = dict(zero_stage=3, ranks=4, bf16=True, micro_batch_tokens=1024)
     plain, optimizer, both = (
-        learner_rank_memory(
-            seven,
-            zero_stage=3,
-            ranks=4,
-            bf16=True,
-            micro_batch_tokens=1024,
-            offload_optimizer=opt,
-            offload_params=params,
-        )  # fmt: skip
+        learner_rank_memory(seven, **common, offload_optimizer=opt, offload_params=params)
         for opt, params in ((False, False), (True, False), (True, True))
     )
     trained = seven.policy + seven.critic

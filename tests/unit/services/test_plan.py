@@ -55,11 +55,40 @@ def test_micro_batches_by_count_are_planned_at_the_longest_trajectory():
     assert result.learner.micro_batch_tokens == 4 * (PROMPT_TOKENS + 1024)
 
 
-@pytest.mark.parametrize("config", ["k8s_gpu.toml"])
+GPU_CONFIGS = {  # every shipped config that asks for GPUs, with its model's shape and node
+    "k8s_gpu.toml": ("smollm2-135m", None),
+    "k8s_gpu_7b.toml": ("qwen2.5-7b", 8),
+    "gpu_8gpu_7b.toml": ("qwen2.5-7b", 8),
+    "gpu_1gpu.toml": ("smollm2-1.7b", 1),
+}
+
+
+def test_every_shipped_gpu_config_is_planned_here():
+    from services.config import load_config
+
+    asking = {
+        p.name
+        for p in (ROOT / "deploy" / "configs").glob("*.toml")
+        if load_config(p).ray.learner_gpus > 0
+    }
+    assert asking == set(GPU_CONFIGS)
+
+
+@pytest.mark.parametrize("config", sorted(GPU_CONFIGS))
 def test_the_shipped_gpu_configs_pass_the_plan(config):
-    result = plan(f"@{ROOT / 'deploy' / 'configs' / config}", "--shape", "smollm2-135m")
+    shape, node_gpus = GPU_CONFIGS[config]
+    node = ["--node-gpus", str(node_gpus)] if node_gpus else []
+    result = plan(f"@{ROOT / 'deploy' / 'configs' / config}", "--shape", shape, *node)
     assert result.exit_code == 0, result.output
     assert "fits" in result.output and "DOES NOT FIT" not in result.output
+
+
+def test_the_1gpu_recipe_fits_only_with_the_optimizer_on_the_host():
+    recipe = f"@{ROOT / 'deploy' / 'configs' / 'gpu_1gpu.toml'}"
+    result = plan(recipe, "--shape", "smollm2-1.7b", "--node-gpus", "1")
+    assert "offloaded to host memory: 38.3 GiB per rank" in result.output
+    refused = plan(recipe, "--shape", "smollm2-1.7b", "learner.offload_optimizer=false")
+    assert refused.exit_code == 1 and "DOES NOT FIT" in refused.output
 
 
 def test_a_model_without_a_config_is_a_clear_error():
