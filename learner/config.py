@@ -61,11 +61,12 @@ SegmentStatistic = Literal["ratio", "geometric_mean"]
 
 _BEHAVIOR_WEIGHT_MIGRATION = (
     "behavior_weight_cap / behavior_weight_mode / behavior_weight_level were folded into "
-    "algorithm.rollout_correction, which needs algorithm.off_policy = 'decoupled' (no longer "
-    "the default: set it, or the run trains the behaviour-ratio objective): cap C with mode 'truncate' -> is_level = 'token' (or "
-    "'turn' with is_statistic = 'geometric_mean' for level 'turn'), is_cap = C; mode 'drop' "
-    "-> the same plus mask_level = 'token' (or 'turn', mask_statistic = 'geometric_mean'), "
-    "mask_high = C"
+    "algorithm.rollout_correction, which acts only in the decoupled objective: set "
+    'algorithm.off_policy = "decoupled" too (the default objective is "behavior", where a '
+    "rollout_correction is refused at load). Cap C with mode 'truncate' -> is_level = "
+    "'token' (or 'turn' with is_statistic = 'geometric_mean' for level 'turn'), is_cap = C; "
+    "mode 'drop' -> the same plus mask_level = 'token' (or 'turn', mask_statistic = "
+    "'geometric_mean'), mask_high = C"
 )
 
 
@@ -119,6 +120,28 @@ class RolloutCorrectionConfig(StrictModel):
 
 
 _DEFAULT_CORRECTION = RolloutCorrectionConfig()
+
+
+def _decoupled_only_message(fields: list[str], objective_set: bool) -> str:
+    """The load error for options of the decoupled objective set under ``behavior``:
+    ``fields`` (those the user set), and whether ``off_policy`` was set or defaulted."""
+    names = {
+        "rollout_correction": "rollout_correction",
+        "m2po_threshold": "m2po_threshold",
+        "proximal": 'proximal = "loglinear"',
+    }
+    it, they = ("them", "they") if len(fields) > 1 else ("it", "it")
+    objective = (
+        'off_policy = "behavior" is set'
+        if objective_set
+        else 'off_policy is not set and defaults to "behavior" (earlier versions: "decoupled")'
+    )
+    return (
+        f"{', '.join(names[f] for f in fields)}: only the decoupled objective uses {it}, "
+        f"and {objective}, where {they} would do nothing. Set algorithm.off_policy = "
+        f'"decoupled", or remove {it} (a live switch to "behavior" unsets a correction '
+        'with rollout_correction = "null")'
+    )
 
 
 class _AlgorithmBase(StrictModel):
@@ -226,24 +249,23 @@ class _AlgorithmBase(StrictModel):
 
     @model_validator(mode="after")
     def _check_off_policy_options(self) -> _AlgorithmBase:
-        if self.off_policy == "behavior" and self.rollout_correction is not None:
-            raise ValueError(
-                "rollout_correction weighs the decoupled objective's tokens by pi_prox / "
-                "pi_behaviour: it needs off_policy = 'decoupled' (with 'behavior' the ratio "
-                "is already taken against the behaviour policy; to switch a run to "
-                "'behavior', also set algorithm.rollout_correction = \"null\")"
-            )
-        if self.off_policy == "behavior" and self.proximal != "recompute":
-            raise ValueError(
-                "proximal = 'loglinear' approximates the decoupled objective's proximal "
-                "policy: it needs off_policy = 'decoupled'"
-            )
-        if self.m2po_threshold is not None and (
-            self.off_policy != "decoupled" or self.proximal != "recompute"
-        ):
+        if self.off_policy == "behavior":
+            # what the user set (pydantic's model_fields_set) and that would act; an
+            # explicit null, or proximal = "recompute", does nothing and is accepted
+            active = {
+                "rollout_correction": self.rollout_correction is not None,
+                "m2po_threshold": self.m2po_threshold is not None,
+                "proximal": self.proximal == "loglinear",
+            }
+            named = [f for f, on in active.items() if on and f in self.model_fields_set]
+            if named:
+                raise ValueError(
+                    _decoupled_only_message(named, "off_policy" in self.model_fields_set)
+                )
+        if self.m2po_threshold is not None and self.proximal != "recompute":
             raise ValueError(
                 "m2po_threshold masks by the recomputed proximal/behaviour log-ratio: it "
-                "needs off_policy = 'decoupled' and proximal = 'recompute'"
+                "needs proximal = 'recompute'"
             )
         return self
 
@@ -667,6 +689,13 @@ class SFTConfig(StrictModel):
     left open (the synthetic stability regime,
     ``deploy/configs/experiments/stability_regime_early.toml``). 0: every demonstration
     searches for every entity it needs."""
+
+    cache: bool = False
+    """Keep the finished warm start (the learner's state after SFT, under
+    ``.cache/warm_start/``) and load it in a later run whose model, data, retrieval corpus,
+    SFT and learner settings and code are the same, instead of training it again
+    (:mod:`services.loop.warm_start_cache`; a learner checkpoint, about 4 GB for
+    SmolLM2-135M; the two newest are kept)."""
 
     reference_from_warm_start: bool = True
     """After the warm start, the frozen reference (the KL anchor, ``kl_ref``) becomes the

@@ -136,15 +136,17 @@ def test_config_defaults_and_validation():
         PPOConfig.model_validate({"rollout_correction": {"mask_level": "token"}})
     with pytest.raises(ValidationError, match=r"mask_low .* must be below mask_high"):
         PPOConfig.model_validate({"rollout_correction": {"mask_low": 2.0, "mask_high": 1.0}})
-    with pytest.raises(ValidationError, match="m2po_threshold masks"):
+    with pytest.raises(ValidationError, match=r'm2po_threshold: .*off_policy = "decoupled"'):
         PPOConfig(off_policy="behavior", m2po_threshold=0.04)
+    with pytest.raises(ValidationError, match="m2po_threshold masks"):
+        PPOConfig(off_policy="decoupled", m2po_threshold=0.04, proximal="loglinear")
     with pytest.raises(ValidationError, match="loglinear"):
         PPOConfig(off_policy="behavior", proximal="loglinear")
     with pytest.raises(ValidationError, match="bias_norm = 'param'"):
         STPPOConfig(off_policy="decoupled", bias_norm="param", proximal="loglinear")
     # a rollout correction is the decoupled objective's: with the behaviour ratio it would
     # silently do nothing
-    with pytest.raises(ValidationError, match="rollout_correction weighs the decoupled"):
+    with pytest.raises(ValidationError, match="rollout_correction: only the decoupled objective"):
         PPOConfig.model_validate({"rollout_correction": {"is_level": "sequence"}})
     assert PPOConfig(off_policy="decoupled", rollout_correction={"is_level": "sequence"})
 

@@ -252,7 +252,7 @@ def test_a_rollout_correction_set_under_the_behaviour_objective_fails_even_at_it
         ],
         ["algorithm.rollout_correction.is_cap=3.0"],
     ):
-        with pytest.raises(ConfigError, match="off_policy = 'decoupled'"):
+        with pytest.raises(ConfigError, match='off_policy = "decoupled"'):
             load_config(None, [ppo, *overrides])
     decoupled = load_config(
         None, [ppo, 'algorithm.off_policy="decoupled"', "algorithm.rollout_correction.is_cap=2.0"]
@@ -266,7 +266,7 @@ def test_a_rollout_correction_set_under_the_behaviour_objective_fails_even_at_it
     default_decoupled = load_config(None, [ppo, 'algorithm.off_policy="decoupled"'])
     switched = update_config(default_decoupled, {"algorithm": {"off_policy": "behavior"}})
     assert switched.algorithm.off_policy == "behavior"
-    with pytest.raises(ConfigError, match="off_policy = 'decoupled'"):
+    with pytest.raises(ConfigError, match='off_policy = "decoupled"'):
         update_config(decoupled, {"algorithm": {"off_policy": "behavior"}})
     for unset in (None, "null"):  # JSON null, or the string a config file or ctl writes
         switched = update_config(
