@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pydantic import BaseModel
 from torch import Tensor
 
 from actors.trajectory import Trajectory
@@ -178,6 +179,22 @@ class SupervisedMixin:
         if config.reference_from_warm_start:
             self.reset_reference_to_policy()
         return report
+
+    def save_warm_start(self, directory: str) -> None:
+        """Keep the learner's state after the warm start for later runs
+        (:mod:`services.loop.warm_start_cache`): a learner checkpoint in ``directory``,
+        outside the run's own checkpoints (collective: every rank calls it)."""
+        self.save_checkpoint(directory)
+
+    def load_warm_start(self, directory: str, algorithm: BaseModel | dict) -> int:
+        """Continue from a kept warm start (:meth:`save_warm_start`) with this run's
+        ``algorithm`` (the warm start does not depend on it); returns the policy version.
+
+        Raises:
+            FileNotFoundError / ValueError: as :meth:`load_checkpoint`."""
+        self.load_checkpoint(directory)
+        self.set_algorithm(algorithm)
+        return self.policy_version
 
     def reset_reference_to_policy(self) -> None:
         """Copy the current policy weights into the frozen reference (``kl_ref`` is measured

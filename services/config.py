@@ -67,6 +67,11 @@ class RunSection(StrictModel):
     eval_questions: int = Field(64, ge=0, le=1_000_000)
     """Validation questions per evaluation (0 disables evaluation)."""
 
+    eval_before_warm_start: bool = True
+    """Evaluate the base model before the warm start (tag ``before_warm_start``). A base
+    model that never writes the answer format scores 0 here whatever it knows; a run that
+    reports its gain from the warm start on can skip it."""
+
     eval_sampled: bool = False
     """Also evaluate the sampling policy: every evaluation runs a second time on the same
     questions at the rollout temperature, ``rollout.group_size`` episodes per question,
@@ -123,7 +128,7 @@ class DataSection(StrictModel):
     unless ``run.eval_questions = 0``."""
 
     test_files: list[Path] = Field(default_factory=list)
-    """Test QA files (``stppo evaluate --split test``)."""
+    """Test QA files (``stppo eval --split test``)."""
 
     warm_start_share: float = Field(0.0, ge=0.0, lt=1.0)
     """Share of every training QA set kept for the warm start's demonstrations, which RL

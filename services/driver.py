@@ -80,7 +80,6 @@ class Driver:
             if resumed:
                 self._restore(self.services.plan.checkpoint)
             elif self.cfg.sft.enabled:
-                self._evaluate("before_warm_start")
                 self._warm_start()
             self.sync.push(self.state.policy_version, blocking=True)
             self._evaluate("resume" if resumed else "start")
@@ -220,10 +219,11 @@ class Driver:
     # ------------------------------------------------------------------ phases
 
     def _warm_start(self) -> None:
+        if self.cfg.run.eval_before_warm_start:
+            self._evaluate("before_warm_start")
         done = self.phases.warm_start()
         self.state.warm_started = True
-        # SFT steps are weight updates too: versions continue from the learner's count
-        self.state.policy_version = done.policy_version
+        self.state.policy_version = done.policy_version  # SFT steps are versions too
         self.report.append("sft.jsonl", done.record)
 
     def _evaluate(self, tag: str) -> None:

@@ -70,14 +70,40 @@ class Phases:
         self.report = report
 
     def warm_start(self) -> WarmStartDone:
-        """Build the demonstrations and run the learner's SFT on them."""
+        """Build the demonstrations and run the learner's SFT on them, or load the warm
+        start a previous run with the same key kept (``sft.cache``,
+        :mod:`services.loop.warm_start_cache`); keep a new one."""
+        from actors.hardware import resolve_dtype
+        from services.loop.warm_start_cache import WarmStartCache, warm_start_key
+
+        cfg = self.config()
+        if not cfg.sft.cache:
+            return self._train_warm_start(cfg)
+        device = "cuda" if cfg.ray.learner_gpus > 0 else "cpu"
+        key = warm_start_key(cfg, resolve_dtype(cfg.learner.dtype, device).name)
+        cache = WarmStartCache()
+        kept = cache.lookup(key)
+        if kept is not None:
+            folder, record = kept
+            self.report.say(
+                f"warm start: loading the one kept in {folder.parent} (same model, data, "
+                "settings and code; sft.cache = false trains it again)"
+            )
+            algorithm = cfg.algorithm.model_dump()
+            version = ray.get(self.learner.load_warm_start.remote(str(folder), algorithm))
+            return WarmStartDone(version, {**record, "kept": key})
+        done = self._train_warm_start(cfg)
+        ray.get(self.learner.save_warm_start.remote(str(cache.staging(key))))
+        self.report.say(f"warm start kept in {cache.commit(key, done.record)} for later runs")
+        return done
+
+    def _train_warm_start(self, cfg: RunConfig) -> WarmStartDone:
         from transformers import AutoTokenizer
 
         from actors.demonstrations import build_demonstrations
         from actors.retrieval_client import RetrievalClient
         from services.sampler import QuestionSampler
 
-        cfg = self.config()
         n = cfg.sft.num_demonstrations
         self.report.say(f"warm start: building demonstrations from {n} training questions")
         # a separate stream (seed + 1) so RL questions are not used up by the warm start;

@@ -490,3 +490,45 @@ def test_the_stability_guard_acts_through_the_control_plane_in_a_run(
     out = capfd.readouterr()
     assert "stability guard (mode act): " in out.out + out.err
     assert "acted: lower_staleness at step 2 (step > 1.5)" in out.out + out.err
+
+
+def test_a_kept_warm_start_is_loaded_by_the_next_run_instead_of_trained(
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch, capfd
+):
+    """``sft.cache = true``: the first run trains the warm start and keeps it (a learner
+    checkpoint under the cache); a second run with the same model, data, settings and code
+    loads it (no demonstrations built, no SFT step), continues from its policy version with
+    its own algorithm, and trains."""
+    import services.loop.warm_start_cache as warm_start_cache
+    from services.driver import Driver
+
+    monkeypatch.setattr(warm_start_cache, "CACHE_ROOT", tmp_path / "cache")
+    extra = {
+        "run.num_steps": 1, "run.eval_questions": 0, "checkpoint.every_k_steps": 0,
+        "rollout.num_actors": 1, "sft.enabled": True, "sft.cache": True,
+        "sft.num_demonstrations": 4, "sft.batch_size": 2, "sft.epochs": 1,
+        "retrieval.server.index_dir": str(tmp_path / "index"),  # one index: one key
+    }  # fmt: skip
+    first = tiny_run_config(tmp_path / "first", tiny_llama_dir, **extra)
+    Driver(first).run()
+    (trained,) = read_jsonl(first.run_dir / "sft.jsonl")
+    entries = [p for p in (tmp_path / "cache" / "warm_start").iterdir()]
+    assert len(entries) == 1 and (entries[0] / "learner" / "learner_state.json").is_file()
+    said = capfd.readouterr()
+    assert "warm start kept in" in " ".join((said.out + said.err).split())  # lines wrap
+
+    second = tiny_run_config(
+        tmp_path / "second", tiny_llama_dir, **extra, **{"algorithm.variant": "ppo"}
+    )
+    Driver(second).run()
+    (loaded,) = read_jsonl(second.run_dir / "sft.jsonl")
+    assert loaded.pop("kept") == entries[0].name
+    assert loaded.pop("run_id") != trained.pop("run_id")  # each run's own
+    assert loaded == trained  # the same warm start: its record, steps and version
+    said = capfd.readouterr()
+    out = " ".join((said.out + said.err).split())
+    assert "warm start: loading the one kept in" in out
+    assert "building demonstrations" not in out and "[warm start] step" not in out
+    (step,) = read_jsonl(second.run_dir / "steps.jsonl")
+    assert step["variant"] == "ppo"  # the run's own algorithm, not the cached one's
+    assert step["policy_version"] == trained["policy_version"] + 1
