@@ -122,7 +122,7 @@ class RolloutConfig(StrictModel):
     ``vllm:*`` series: running / waiting requests, KV-cache usage, prompt and generation
     tokens, time to first token, ...): None = not served, 0 = a free port per actor (local
     runs; the driver logs each URL), N = this port (Kubernetes: one actor per rollout pod,
-    scraped by ``deploy/k8s/base/podmonitors.yaml``). HF engines serve nothing."""
+    scraped by ``deploy/prometheus/podmonitor.yaml``). HF engines serve nothing."""
 
     engine_metrics_host: str = "127.0.0.1"
     """Interface of the engine metrics endpoint (``0.0.0.0`` in a pod, so Prometheus can

@@ -72,14 +72,7 @@ OTHER_PROJECTS = {
     "docs/algorithms/prox_approx.md": "AReaL",
 }
 # found problems whose fix is in code docstrings (docs/reference/ is generated from them)
-KNOWN = {
-    # services/config.py, DataConfig's test split docstring: the command is `stppo eval`
-    "docs/reference/config.md:129: `stppo` has no command 'evaluate'",
-    # actors/config.py, the engine metrics port's docstring: the file is
-    # deploy/prometheus/podmonitor.yaml
-    "docs/reference/config.md:465: deploy/k8s/base/podmonitors.yaml: no such file in the "
-    "repository",
-}
+KNOWN: set[str] = set()
 PREFIX_WORDS = {"sudo", "time", "exec", "env", "nohup"}
 FENCE = re.compile(r"^(\s*)(```+|~~~+)(.*)$")
 INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
