@@ -151,6 +151,8 @@ class Phases:
             crashes += self._evaluate_shards(
                 shards, f"{tag}_sampled", False, learner_step, policy_version
             )
+        if tag == "end":
+            self.report.result(self.report.records.run_dir)
         return crashes
 
     def _evaluate_shards(
