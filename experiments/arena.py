@@ -42,9 +42,11 @@ staleness, the share of steps with ``||C|| = 0`` (nothing clipped) and above 1
 
 Outputs (:func:`write_leaderboards`): ``leaderboard.json``, ``leaderboard.md``,
 ``leaderboard_summary.md`` (the short tables of the results page),
-``leaderboard_intervals.png``, ``leaderboard_curves.png`` (success, malformed share and KL
-per step, mean and a band of +-1 sd over seeds, clipped to the seeds' range) and
-``leaderboard_bias_norm.png``. Under each leaderboard, its power (:func:`board_power`): the
+``leaderboard_intervals.png``, ``leaderboard_curves.png`` (training success per step, mean
+and a band of +-1 sd over seeds, clipped to the seeds' range; a row of panels per method
+family and a column per staleness, so that a panel holds a few lines),
+``leaderboard_curves_malformed.png`` and ``leaderboard_curves_kl.png`` (the malformed share
+and the KL to the reference, the same way) and ``leaderboard_bias_norm.png``. Under each leaderboard, its power (:func:`board_power`): the
 pooled sd over seeds and the smallest difference between two cells that 5 and 10 seeds per
 cell detect.
 """
@@ -125,6 +127,82 @@ class ArenaRun:
     malformed_end: float = math.nan
     """Mean malformed share of the training rollouts over the last :data:`END_STEPS`
     learner steps."""
+    family: str = ""
+    """The method's family (:func:`method_family`), from its ``config.json``: the panels of
+    the curves figure."""
+
+
+FAMILIES = (
+    "ratio against the behaviour policy",
+    "decoupled PPO, token weights",
+    "decoupled PPO, masks",
+    "decoupled, turn and sequence ratios",
+)
+"""The method families of the curves figure, one row of panels each (:func:`method_family`)."""
+
+
+def method_family(algorithm: dict[str, Any]) -> str:
+    """The family of a run's ``algorithm`` config (a :data:`FAMILIES` entry): the behaviour
+    objective; the decoupled objective with token ratios (``ppo``), with a mask (MIS,
+    Geo-RS, IcePop) or M2PO, or without; the decoupled objective with turn or sequence
+    ratios (every other variant)."""
+    if algorithm.get("off_policy") == "behavior":
+        return FAMILIES[0]
+    if algorithm.get("variant") != "ppo":
+        return FAMILIES[3]
+    correction = algorithm.get("rollout_correction") or {}
+    if (
+        algorithm.get("m2po_threshold") is not None
+        or correction.get("mask_level", "none") != "none"
+    ):
+        return FAMILIES[2]
+    return FAMILIES[1]
+
+
+@dataclass
+class CurvePanel:
+    """One panel of the curves figure: the methods of one family at one staleness, drawn
+    against the references."""
+
+    family: str
+    staleness: int
+    methods: list[str]
+    references: list[tuple[str, int]]
+    """(method, staleness) drawn dashed in the panel: the on-policy runs (staleness 0) and
+    the baseline at the panel's staleness, where they are not among ``methods``."""
+
+
+def curve_panels(runs: Sequence[ArenaRun], baseline: str | None) -> list[list[CurvePanel]]:
+    """The curves figure's grid: a row per family present, a column per staleness above 0
+    (the staleness-0 runs are the on-policy reference in every panel). A panel holds its
+    family's methods at its staleness (at most five in the arena) and the references."""
+    on_policy = sorted({r.method for r in runs if r.staleness == 0})
+    levels = sorted({r.staleness for r in runs if r.staleness > 0})
+    if not levels:  # on-policy runs alone: they are the panels
+        levels, on_policy = [0], []
+    families = [f for f in (*FAMILIES, "") if any(r.family == f and r.staleness in levels
+                                                  for r in runs)]  # fmt: skip
+    grid = []
+    for family in families:
+        row = []
+        for staleness in levels:
+            methods = sorted({r.method for r in runs
+                              if r.family == family and r.staleness == staleness})  # fmt: skip
+            refs = [(m, 0) for m in on_policy]
+            has_baseline = any(r.method == baseline and r.staleness == staleness for r in runs)
+            if baseline is not None and baseline not in methods and has_baseline:
+                refs.append((baseline, staleness))
+            row.append(CurvePanel(family, staleness, methods, refs))
+        grid.append(row)
+    return grid
+
+
+CURVE_METRICS = {
+    "success_curve": "training success",
+    "malformed_curve": "malformed share",
+    "kl_curve": "KL to reference (nats/token)",
+}
+"""The per-step series :func:`plot_curves` draws, with their axis labels."""
 
 
 def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> ArenaRun:
@@ -164,6 +242,7 @@ def read_run(run_dir: Path, rule: CollapseRule, tau: float = DEFAULT_TAU) -> Are
         kl_curve=_series(steps, "kl_ref"),
         wall_s=_run_wall_s(run_dir),
         malformed_end=_mean(malformed[-END_STEPS:]),
+        family=method_family(cfg["algorithm"]),
     )
 
 
@@ -687,45 +766,79 @@ def seed_band(curves: Any) -> tuple[Any, Any, Any]:
     return mean, np.maximum(mean - sd, curves.min(0)), np.minimum(mean + sd, curves.max(0))
 
 
-def plot_curves(runs: Sequence[ArenaRun], path: Path, window: int = 5) -> Path:
-    """Success, malformed share and KL to the reference per step (moving average over
-    ``window`` steps; mean and a band of +-1 sd over seeds, clipped to the seeds' range),
-    one column per staleness."""
+def plot_curves(
+    runs: Sequence[ArenaRun],
+    path: Path,
+    metric: str = "success_curve",
+    baseline: str | None = None,
+    window: int = 5,
+) -> Path:
+    """One per-step series (:data:`CURVE_METRICS`; moving average over ``window`` steps,
+    mean and a band of +-1 sd over seeds clipped to the seeds' range) in a grid of panels
+    (:func:`curve_panels`): a row per method family, a column per staleness, each panel
+    with its family's methods, the on-policy runs and the baseline dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    levels = sorted({r.staleness for r in runs})
-    methods = sorted({r.method for r in runs})
-    colors = plt.get_cmap("tab20")
-    metrics = (("success_curve", "training success"), ("malformed_curve", "malformed share"),
-               ("kl_curve", "KL to reference (nats/token)"))  # fmt: skip
-    fig, axes = plt.subplots(3, len(levels), figsize=(5.5 * len(levels), 10), squeeze=False)
-    for col, staleness in enumerate(levels):
-        for row, (attr, label) in enumerate(metrics):
-            ax = axes[row][col]
-            for i, method in enumerate(methods):
-                curves = [getattr(r, attr) for r in runs
-                          if r.method == method and r.staleness == staleness]  # fmt: skip
-                if not curves:
-                    continue
-                n = min(len(c) for c in curves)
-                if n < window:
-                    continue
-                kernel = np.ones(window) / window
-                smooth = np.array([np.convolve(np.nan_to_num(c[:n]), kernel, "valid")
-                                   for c in curves])  # fmt: skip
-                x = np.arange(window, n + 1)
-                mean, low, high = seed_band(smooth)
-                ax.plot(x, mean, color=colors(i), lw=1.2, label=method)
-                ax.fill_between(x, low, high, color=colors(i), alpha=0.12)
-            ax.set_title(f"{label}, staleness {staleness}", fontsize=9)
-            ax.set_xlabel("learner step")
+    label = CURVE_METRICS[metric]
+    grid = curve_panels(runs, baseline)
+    rows, cols = len(grid), max((len(row) for row in grid), default=1)
+    colors = plt.get_cmap("tab10")
+
+    def draw(ax: Any, method: str, staleness: int, **style: Any) -> None:
+        curves = [getattr(r, metric) for r in runs
+                  if r.method == method and r.staleness == staleness]  # fmt: skip
+        n = min((len(c) for c in curves), default=0)
+        if n < window:
+            return
+        kernel = np.ones(window) / window
+        smooth = np.array([np.convolve(np.nan_to_num(c[:n]), kernel, "valid") for c in curves])
+        x = np.arange(window, n + 1)
+        mean, low, high = seed_band(smooth)
+        ax.plot(x, mean, **style)
+        if style.get("ls", "-") == "-":
+            ax.fill_between(x, low, high, color=style["color"], alpha=0.15)
+
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.6 * cols, 3.0 * rows), squeeze=False, sharex=True, sharey=True
+    )
+    for r, row in enumerate(grid):
+        family_methods = sorted({m for panel in row for m in panel.methods})
+        for c, panel in enumerate(row):
+            ax = axes[r][c]
+            for method, staleness in panel.references:
+                name = "on-policy" if staleness == 0 else "baseline"
+                draw(ax, method, staleness, color="black" if staleness == 0 else "gray",
+                     ls=":" if staleness == 0 else "--", lw=1.3,
+                     label=f"{method}, {name}")  # fmt: skip
+            for method in panel.methods:
+                color = colors(family_methods.index(method) % 10)
+                draw(ax, method, panel.staleness, color=color, lw=1.6, label=method)
+            if not panel.methods:
+                ax.text(0.5, 0.5, "not run at this staleness", transform=ax.transAxes,
+                        ha="center", va="center", color="gray", fontsize=10)  # fmt: skip
+            title = f"staleness {panel.staleness}"
+            ax.set_title(f"{panel.family}, {title}" if panel.family else title, fontsize=10)
             ax.grid(alpha=0.3)
-    if axes[0][-1].get_legend_handles_labels()[0]:
-        axes[0][-1].legend(fontsize=7, loc="lower right", ncol=2)
+            ax.tick_params(labelsize=9)
+            if r == rows - 1:
+                ax.set_xlabel("learner step", fontsize=9)
+            if c == 0:
+                ax.set_ylabel(label, fontsize=9)
+        # one legend per row, every line of the row once, in the panel that draws the most
+        handles: dict[str, Any] = {}
+        for c in range(len(row)):
+            for handle, name in zip(*axes[r][c].get_legend_handles_labels(), strict=True):
+                handles.setdefault(name, handle)
+        if handles:
+            fullest = max(range(len(row)), key=lambda i: len(axes[r][i].get_lines()))
+            axes[r][fullest].legend(handles.values(), handles.keys(), fontsize=8, loc="best")
+    for r, row in enumerate(grid):
+        for c in range(len(row), cols):
+            axes[r][c].set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -815,6 +928,8 @@ def write_leaderboards(
     (out_dir / "leaderboard.json").write_text(json.dumps(_json_safe(payload), indent=1) + "\n")
     if finished:
         plot_intervals(rows, out_dir / "leaderboard_intervals.png")
-        plot_curves(finished, out_dir / "leaderboard_curves.png")
+        for metric, suffix in (("success_curve", ""), ("malformed_curve", "_malformed"),
+                               ("kl_curve", "_kl")):  # fmt: skip
+            plot_curves(finished, out_dir / f"leaderboard_curves{suffix}.png", metric, baseline)
         plot_bias_norms(finished, out_dir / "leaderboard_bias_norm.png")
     return md

@@ -10,18 +10,23 @@ from pathlib import Path
 import pytest
 
 from experiments.arena import (
+    FAMILIES,
     acted_on,
     bias_norm_distributions,
     board_power,
+    curve_panels,
     detectable_difference,
     leaderboard,
     leaderboard_header,
+    method_family,
+    plot_curves,
     read_run,
     seed_band,
     summary_markdown,
     write_leaderboards,
 )
 from experiments.collapse import CollapseRule
+from experiments.grid import experiment_path, load_experiment
 from services.config import load_config
 from services.stabilisers import activity_line, stabiliser_activity
 
@@ -212,7 +217,7 @@ def test_write_leaderboards_writes_tables_and_figures(tmp_path: Path):
     assert "Power: pooled sd 0.071 of final success over 4 runs in 2 cells" in text
     assert "of 0.125 with 5 seeds per cell, 0.089 with 10 seeds per cell." in text
     assert data["power"][0]["detectable"]["10"] == pytest.approx(0.0886, abs=1e-4)
-    for name in ("intervals", "curves", "bias_norm"):
+    for name in ("intervals", "curves", "curves_malformed", "curves_kl", "bias_norm"):
         assert (tmp_path / "out" / f"leaderboard_{name}.png").stat().st_size > 0
     summary = (tmp_path / "out" / "leaderboard_summary.md").read_text()
     assert "| **a** | 2 | - | 0.350 | 0.350 [0.30, 0.40] |" in summary
@@ -274,3 +279,39 @@ def test_boards_rank_failures_first_then_the_mean(tmp_path: Path):
     assert (spiky.ended_low, spiky.val_success_mean) == (1, pytest.approx(0.525))
     assert spiky.val_success_iqm == pytest.approx(0.7)  # the highest IQM, ranked last
     assert spiky.overlaps_best  # bold still marks the interval of the highest IQM
+
+
+def test_the_curves_figure_splits_the_methods_by_family_a_few_per_panel(tmp_path: Path):
+    """13 methods overlaid in one panel were unreadable: a row per method family, a column
+    per staleness, the on-policy runs and the baseline dashed in every panel."""
+    arena = load_experiment(experiment_path("arena"))
+    families = {}
+    for method, overrides in arena.methods.items():
+        cfg = load_config(None, [f"{k}={json.dumps(v) if isinstance(v, str) else v}"
+                                 for k, v in overrides.items()])  # fmt: skip
+        families[method] = method_family(cfg.algorithm.model_dump())
+    assert families["ppo_behavior"] == families["st_ppo_tau"] == FAMILIES[0]
+    assert families["ppo_tis"] == families["ppo_loglinear"] == FAMILIES[1]
+    assert families["ppo_icepop"] == families["m2po"] == families["ppo_geo_mis"] == FAMILIES[2]
+    assert families["st_ppo"] == families["gspo"] == families["cispo"] == FAMILIES[3]
+    largest = max(list(families.values()).count(f) for f in FAMILIES)
+    assert largest <= 4  # with the two references, at most six lines in a panel
+
+    dirs = [write_run(tmp_path / "runs", "ppo_tis", 0, 0, 0.5)]
+    for method in ("ppo_behavior", "ppo_tis", "st_ppo"):
+        dirs += [write_run(tmp_path / "runs", method, 4, seed, 0.4) for seed in (0, 1)]
+    runs = []
+    for d in dirs:
+        run = read_run(d, RULE)
+        run.family = families[run.method]
+        runs.append(run)
+    grid = curve_panels(runs, baseline="ppo_behavior")
+    assert [[(p.family, p.staleness, p.methods) for p in row] for row in grid] == [
+        [(FAMILIES[0], 4, ["ppo_behavior"])],
+        [(FAMILIES[1], 4, ["ppo_tis"])],
+        [(FAMILIES[3], 4, ["st_ppo"])],
+    ]
+    assert grid[0][0].references == [("ppo_tis", 0)]  # the baseline is the panel's own
+    assert grid[1][0].references == [("ppo_tis", 0), ("ppo_behavior", 4)]
+    out = plot_curves(runs, tmp_path / "curves.png", "kl_curve", "ppo_behavior", window=2)
+    assert out.stat().st_size > 0
