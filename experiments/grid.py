@@ -838,8 +838,10 @@ def summarize_experiment(
     archive = _Archive(spec, name, output_dir, warm) if spec.archive_dir and use_archive else None
     if archive is not None:
         archive.restore_warm_start()
-        archive.sync(planned)
-        planned = plan_runs(spec, name, output_dir, extra_overrides)  # more_seeds decided
+        # the second stage (more_seeds) is planned from the first stage's restored results
+        for _ in range(2 if spec.more_seeds else 1):
+            archive.sync(planned)
+            planned = plan_runs(spec, name, output_dir, extra_overrides)
     if only:
         planned = select_runs(planned, only)
     provenance = run_archive.provenance(archive.dir, (r.name for r in planned)) if archive else None

@@ -321,3 +321,28 @@ def test_a_summary_of_a_slice_reads_only_its_runs(tmp_path: Path):
     assert [s.seed for s in first.summaries] == [0]
     record = json.loads(first.summary_json.read_text())
     assert record["archived"]["runs"] == 1 and record["only"] == {"seed": [0]}
+
+
+def test_a_fresh_summary_restores_both_stages_of_a_grid_with_more_seeds(tmp_path: Path):
+    """The second stage's runs are planned from the first stage's results: a summary into
+    an empty output directory restores the first stage, plans the second from it, and must
+    restore that too (it once summarised the first stage alone: 160 of the arena's 290)."""
+    from tiny_experiment import write_experiment
+
+    from experiments.grid import summarize_experiment
+
+    experiments = tmp_path / "experiments"
+    write_experiment(
+        experiments,
+        "tiny",
+        {"seeds": [0, 1], "num_steps": 2, "archive_dir": str(tmp_path / "archive")},
+        {"grid": {"method": ["a"], "buffer.max_staleness": [4]},
+         "methods.a": {"algorithm.variant": "ppo"}, "more_seeds": {"seeds": [2]}},
+    )  # fmt: skip
+    for seed in (0, 1, 2):
+        name = f"method-a_max_staleness-4_seed-{seed}"
+        run = make_run(tmp_path / "elsewhere" / name, seed=seed)
+        run_archive.archive_run(run, tmp_path / "archive", None)
+
+    result = summarize_experiment("tiny", tmp_path / "fresh", experiments_dir=experiments)
+    assert sorted(s.seed for s in result.summaries) == [0, 1, 2]
