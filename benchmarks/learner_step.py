@@ -79,7 +79,7 @@ caching allocator's ``cudaMalloc`` calls and allocation retries in the step (a r
 cached blocks, synchronising the device: the step runs at the edge of memory).
 
 ``--count-syncs``: after the measured rounds, one more step per (variant or SFT, path)
-with its host syncs counted (:func:`learner.host_syncs.count_syncs`: on CUDA the
+with its host syncs counted (:func:`host_syncs.count_syncs` (benchmarks/host_syncs.py): on CUDA the
 synchronising calls PyTorch reports, on the CPU those its simulation of a device finds),
 as ``host_syncs_per_step`` and the sites (``host_sync_sites``) in each row.
 
@@ -118,6 +118,7 @@ configure_local_caches()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from host_syncs import count_syncs  # noqa: E402
 
 from actors.prompts import prompt_ids  # noqa: E402
 from actors.trajectory import Trajectory  # noqa: E402
@@ -132,7 +133,6 @@ from learner.config import (  # noqa: E402
     uses_critic,
 )
 from learner.engines import use_fused_adamw  # noqa: E402
-from learner.host_syncs import count_syncs  # noqa: E402
 from learner.modeling import response_logits, token_logprobs  # noqa: E402
 from learner.trainer import Learner  # noqa: E402
 

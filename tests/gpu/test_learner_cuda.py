@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from host_syncs import count_syncs
 from learner_factories import expected_sft_loss, make_batch, make_uneven_batch
 from transformers import AutoModelForCausalLM
 
 from learner.config import VARIANT_CONFIGS, LearnerConfig, PPOConfig, STPPOConfig
-from learner.host_syncs import count_syncs
 from learner.trainer import Learner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]

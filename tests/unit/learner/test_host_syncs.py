@@ -5,7 +5,7 @@ the GPU waits for every kernel queued before it; one per metric and micro-batch 
 host from preparing the next micro-batch while the GPU ran the last one's backward. The
 step's metrics are now read once per optimizer step (:class:`DeferredReads`) and host
 tensors go up without a wait (:func:`learner.batch.to_device`). Checked on the CPU with
-:class:`learner.host_syncs.SimulatedDevice` (the CPU twin of ``torch.cuda.set_sync_debug_mode``),
+:class:`host_syncs.SimulatedDevice` (benchmarks/host_syncs.py) (the CPU twin of ``torch.cuda.set_sync_debug_mode``),
 and on CUDA by ``tests/gpu/test_learner_cuda.py``.
 """
 
@@ -17,11 +17,11 @@ from collections import Counter
 
 import pytest
 import torch
+from host_syncs import SimulatedDevice
 from learner_factories import make_tiny_learner, make_uneven_batch
 
 from learner.batch import to_device
 from learner.config import PPOConfig, SOGRPOConfig, STPPOConfig
-from learner.host_syncs import SimulatedDevice
 from learner.step_metrics import DeferredReads, read_scalars
 
 
@@ -219,7 +219,7 @@ def test_count_syncs_on_cuda_reads_pytorchs_sync_warnings_by_site(monkeypatch):
     and other warnings are not counted. The warnings are written here: no GPU needed."""
     from pathlib import Path
 
-    import learner.host_syncs as host_syncs
+    import host_syncs
 
     modes = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
