@@ -153,10 +153,6 @@ class Driver:
 
     def _route(self, ref: Any) -> None:
         """Hand a finished ref to its owner and count what it says happened."""
-        import ray
-
-        from services.loop.fleet import lost_weights
-
         if self.pipeline.owns(ref):
             self._on_step_done()
             return
@@ -164,14 +160,12 @@ class Driver:
             self.sync.on_ack(ref)
             return
         slot, call = self.fleet.owner(ref)
-        try:
-            trajectories = self.fleet.finish(slot, call)
-        except ray.exceptions.RayActorError as e:
-            self._on_crash(slot, e)  # every call running on it is lost
+        outcome = self.fleet.finish(slot, call)
+        if outcome.crash is not None:  # re-synced; stamped output is dropped as stale
+            self._on_crash(slot, outcome.crash)
+        if outcome.died:  # every call running on it is lost
             return
-        if lost_weights(trajectories, call.submitted_version):
-            # Its output is correctly stamped (and will be dropped as stale); re-sync it.
-            self._on_crash(slot, RuntimeError("engine lost its weights (restarted)"))
+        trajectories = outcome.trajectories
         attempt = self.services.records.lineage.attempt
         accepted = self.pipeline.accept(trajectories, call.first_draw, attempt)
         landed = sum(int(t.extra.get("inflight_weight_updates", 0)) for t in trajectories)

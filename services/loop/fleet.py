@@ -74,6 +74,39 @@ def lost_weights(trajectories: list[Any], expected_version: int) -> bool:
     return bool(trajectories) and min(t.policy_version_min for t in trajectories) < expected_version
 
 
+@dataclass
+class RolloutOutcome:
+    """What one rollout call gave back (:func:`rollout_outcome`).
+
+    Attributes:
+        trajectories: what it returned ([] when the actor died).
+        crash: the crash it reveals, for the sync to re-sync the actor and the run to
+            count: the actor died (``died``), or Ray restarted it while idle and it
+            answered with the base weights (its trajectories are stamped with them). None
+            when all is well.
+        died: nothing came back; every call running on the actor is lost.
+    """
+
+    trajectories: list[Any]
+    crash: BaseException | None = None
+    died: bool = False
+
+
+def rollout_outcome(get: Callable[[], list[Any]], expected_version: int) -> RolloutOutcome:
+    """Read a rollout call's result with ``get`` and recognise a crash in it: the one place
+    where the training loop (:meth:`Fleet.finish`) and the evaluations
+    (:meth:`services.loop.phases.Phases.rollout_shards`) tell a dead actor and one that
+    lost its weights from a good result; each then decides what to keep (training keeps
+    stamped trajectories, to be dropped as stale; an evaluation runs the shard again)."""
+    try:
+        trajectories = get()
+    except ray.exceptions.RayActorError as e:
+        return RolloutOutcome([], e, died=True)
+    if lost_weights(trajectories, expected_version):
+        return RolloutOutcome(trajectories, RuntimeError("engine lost its weights (restarted)"))
+    return RolloutOutcome(trajectories)
+
+
 class Fleet:
     """The rollout actors of a run (module docstring).
 
@@ -152,12 +185,12 @@ class Fleet:
         """The slot and call whose result ``ref`` is, or None."""
         return next(((s, r) for s in self.slots for r in s.running if r.ref == ref), None)
 
-    def finish(self, slot: RolloutSlot, call: RunningRollout) -> list[Any]:
-        """The trajectories of a finished call (its slot is then free for another).
+    def finish(self, slot: RolloutSlot, call: RunningRollout) -> RolloutOutcome:
+        """The outcome of a finished call (:func:`rollout_outcome`; its slot is then free
+        for another, unless the actor died: the sync's ``on_crash`` takes the crash)."""
+        return rollout_outcome(lambda: self._collect(slot, call), call.submitted_version)
 
-        Raises:
-            ray.exceptions.RayActorError: the actor died (pass it to :meth:`on_crash`).
-        """
+    def _collect(self, slot: RolloutSlot, call: RunningRollout) -> list[Any]:
         trajectories = ray.get(call.ref)
         slot.running.remove(call)
         if not slot.running:

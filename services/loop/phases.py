@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from services.config import RunConfig
-from services.loop.fleet import Fleet, lost_weights
+from services.loop.fleet import Fleet, rollout_outcome
 from services.loop.report import Report, fmt
 from services.loop.seams import LearnerHandle
 from services.loop.sync import SyncCoordinator
@@ -151,8 +151,12 @@ class Phases:
             crashes += self._evaluate_shards(
                 shards, f"{tag}_sampled", False, learner_step, policy_version
             )
-        if tag == "end":
-            self.report.result(self.report.records.run_dir)
+        if tag == "end":  # the run's result, with intervals
+            from services.evaluate import result_line
+
+            line = result_line(self.report.records.run_dir)
+            if line:
+                self.report.say(line)
         return crashes
 
     def _evaluate_shards(
@@ -208,19 +212,12 @@ class Phases:
                 i = heads[ready[0]]
                 k, ref = queues[i].pop(0)
                 slot = slots[i]
-                try:
-                    batch = ray.get(ref)
-                    lost = lost_weights(batch, slot.engine_version)
-                    if lost:
-                        self.sync.on_crash(
-                            slot, RuntimeError("engine lost its weights (restarted)")
-                        )
-                        crashes += 1
-                except ray.exceptions.RayActorError as e:
-                    if i not in restarting:  # one crash, however many of its chunks fail
-                        self.sync.on_crash(slot, e)
-                        crashes += 1
-                    lost = True
+                outcome = rollout_outcome(lambda ref=ref: ray.get(ref), slot.engine_version)
+                # a death counts once, however many of the actor's queued chunks fail
+                if outcome.crash is not None and not (outcome.died and i in restarting):
+                    self.sync.on_crash(slot, outcome.crash)
+                    crashes += 1
+                lost, batch = outcome.crash is not None, outcome.trajectories
                 restarting.discard(i)
                 if lost:
                     restarting.add(i)

@@ -280,39 +280,6 @@ class Report:
 
             self.say(summary_line(run_dir, self.control.config.guard.mode))
 
-    def result(self, run_dir: Any) -> None:
-        """Say the run's result: greedy validation success when RL started (tag ``start``,
-        or ``resume``) and at the end, each with its 95% Wilson interval (scipy's
-        ``binomtest(...).proportion_ci(method="wilson")``), and whether the intervals
-        overlap: on a few dozen questions a difference inside them is not evidence of
-        learning. Nothing is said without both evaluations."""
-        from scipy.stats import binomtest
-
-        from services.run_records import read_records
-
-        evals = {r.get("tag"): r for r in read_records(run_dir / "eval.jsonl")}
-        first = evals.get("start") or evals.get("resume")
-        end = evals.get("end")
-        if not first or not end or not first.get("num_questions") or not end.get("num_questions"):
-            return
-        parts, intervals = [], []
-        for what, record in (("when RL started", first), ("at the end", end)):
-            n = int(record["num_questions"])
-            k = round(float(record["success_rate"]) * n)
-            low, high = binomtest(k, n).proportion_ci(method="wilson")
-            intervals.append((low, high))
-            parts.append(f"{what} {k}/{n} = {k / n:.3f} [{low:.2f}, {high:.2f}]")
-        (low0, high0), (low1, high1) = intervals
-        verdict = (
-            "the intervals overlap: more questions (run.eval_questions) or steps would tell"
-            if low1 <= high0 and low0 <= high1
-            else "the intervals do not overlap"
-        )
-        self.say(
-            f"validation success (greedy): {parts[0]}; {parts[1]} after "
-            f"{end.get('learner_step', 0)} RL step(s) (95% Wilson intervals; {verdict})"
-        )
-
     def curves(self, run_dir: Any) -> None:
         """``<run_dir>/curves.png`` (what ``stppo plot <run_dir>`` draws); a failure to draw
         is logged, never fatal: the run's results are already on disk."""

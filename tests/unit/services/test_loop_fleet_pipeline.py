@@ -85,7 +85,9 @@ def test_admission_keeps_the_bound_and_submits_to_the_least_recently_started(res
     # the call finishes: its trajectories are stamped and buffered, the slot is free
     slot, call = fleet.owner("ref-0-1")
     results["ref-0-1"] = at_version(0, 4)
-    trajectories = fleet.finish(slot, call)
+    outcome = fleet.finish(slot, call)
+    assert outcome.crash is None and not outcome.died
+    trajectories = outcome.trajectories
     assert pipeline.accept(trajectories, call.first_draw, attempt=2) == 4
     assert [t.extra["trajectory_id"] for t in trajectories] == [
         "a2-d0-g0", "a2-d0-g1", "a2-d1-g0", "a2-d1-g1"
@@ -178,3 +180,24 @@ def test_the_buffer_reads_the_live_bound_and_accounts_for_every_trajectory(resul
     assert len(set(ids)) == 12
     s = pipeline.buffer_stats()
     assert s.put_total == s.taken_total + s.dropped_stale_total + s.depth == 12
+
+
+def test_one_place_tells_a_dead_actor_and_lost_weights_from_a_good_result():
+    """:func:`services.loop.fleet.rollout_outcome`, what the training loop and the
+    evaluations both read a rollout through."""
+    import ray
+
+    from services.loop.fleet import rollout_outcome
+
+    good = rollout_outcome(lambda: at_version(3, 2), expected_version=3)
+    assert good.crash is None and not good.died and len(good.trajectories) == 2
+    restarted = rollout_outcome(lambda: at_version(0, 2), expected_version=3)
+    assert not restarted.died and len(restarted.trajectories) == 2  # stamped, kept
+    assert "lost its weights" in str(restarted.crash)
+
+    def dead():
+        raise ray.exceptions.RayActorError()
+
+    died = rollout_outcome(dead, expected_version=3)
+    assert died.died and died.trajectories == []
+    assert isinstance(died.crash, ray.exceptions.RayActorError)

@@ -1,4 +1,4 @@
-"""The end of a run says its result: validation success when RL started and at the end,
+"""The end of a run says its result (services.evaluate.result_line): validation success when RL started and at the end,
 with 95% Wilson intervals, and whether they overlap."""
 
 from __future__ import annotations
@@ -8,23 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from services.loop.report import Report
+from services.evaluate import result_line
 
 
-class Said:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def say(self, message: str) -> None:
-        self.lines.append(message)
-
-
-def report_for(run_dir: Path, evals: list[dict]) -> tuple[Report, Said]:
+def write_evals(run_dir: Path, evals: list[dict]) -> Path:
     with (run_dir / "eval.jsonl").open("w") as f:
         for record in evals:
             f.write(json.dumps({"run_id": "r1", **record}) + "\n")
-    said = Said()
-    return Report(None, None, said, None, None, None), said
+    return run_dir
 
 
 @pytest.mark.parametrize(
@@ -38,9 +29,7 @@ def test_the_result_line_states_both_evaluations_with_intervals(tmp_path, start,
         {"tag": "end", "num_questions": end[1], "success_rate": end[0] / end[1],
          "learner_step": 10},
     ]  # fmt: skip
-    report, said = report_for(tmp_path, evals)
-    report.result(tmp_path)
-    (line,) = said.lines
+    line = result_line(write_evals(tmp_path, evals))
     assert line.startswith("validation success (greedy): when RL started ")
     assert f"{start[0]}/{start[1]} = {start[0] / start[1]:.3f} [" in line
     assert f"at the end {end[0]}/{end[1]}" in line and "after 10 RL step(s)" in line
@@ -50,6 +39,5 @@ def test_the_result_line_states_both_evaluations_with_intervals(tmp_path, start,
 
 
 def test_no_result_without_both_evaluations(tmp_path):
-    report, said = report_for(tmp_path, [{"tag": "start", "num_questions": 8, "success_rate": 0.5}])
-    report.result(tmp_path)
-    assert said.lines == []
+    evals = [{"tag": "start", "num_questions": 8, "success_rate": 0.5}]
+    assert result_line(write_evals(tmp_path, evals)) is None
