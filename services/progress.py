@@ -31,6 +31,7 @@ class Progress:
     run_dir: Path
     console: Console = field(default_factory=lambda: Console(stderr=True, highlight=False))
     _start_s: float = field(default_factory=time.perf_counter)
+    _step_walls: list[float] = field(default_factory=list)
 
     def say(self, message: str) -> None:
         """An event line with the elapsed wall time."""
@@ -48,4 +49,18 @@ class Progress:
             f"[step {record['step']}/{self.total_steps} v{record['policy_version']} {record.get('variant', '')}]"
         )
         head = f"[bold]{label}[/bold]"
-        self.say(f"{head} {' '.join(cells)}")
+        self.say(f"{head} {' '.join(cells)}{self._eta(record)}")
+
+    def _eta(self, record: dict[str, Any]) -> str:
+        """``", ETA 6m20s"``: the steps left at the mean wall time of the last five (the
+        final evaluation and checkpoint come after); empty after the last step."""
+        wall = record.get("wall_s")
+        if isinstance(wall, int | float):
+            self._step_walls.append(float(wall))
+        left = self.total_steps - int(record["step"])
+        if left <= 0 or not self._step_walls:
+            return ""
+        recent = self._step_walls[-5:]
+        seconds = round(sum(recent) / len(recent) * left)
+        text = f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+        return f", ETA {text} for {left} more step(s)"
