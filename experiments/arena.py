@@ -883,13 +883,14 @@ def plot_bias_norms(runs: Sequence[ArenaRun], path: Path) -> Path:
     return path
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN float (nested in dicts, lists and tuples) as None, for JSON."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -925,7 +926,7 @@ def write_leaderboards(
         "bias_norm_over_tau": [asdict(n) for n in norms],
         "power": [asdict(p) for p in power],
     }
-    (out_dir / "leaderboard.json").write_text(json.dumps(_json_safe(payload), indent=1) + "\n")
+    (out_dir / "leaderboard.json").write_text(json.dumps(json_safe(payload), indent=1) + "\n")
     if finished:
         plot_intervals(rows, out_dir / "leaderboard_intervals.png")
         for metric, suffix in (("success_curve", ""), ("malformed_curve", "_malformed"),

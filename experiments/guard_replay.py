@@ -316,16 +316,6 @@ def markdown(table: Sequence[ReplayCell], head: Headline, guard: dict[str, Any])
     return "\n".join(lines) + "\n"
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def write_replay(
     out: Path, archive_dir: Path = DEFAULT_ARCHIVE, overrides: Sequence[str] = ()
 ) -> tuple[Path, Path]:
@@ -341,7 +331,7 @@ def write_replay(
     md.write_text(markdown(table, head, guard))
     payload = {"archive_dir": str(archive_dir), "guard": guard, "headline": asdict(head),
                "cells": [asdict(c) for c in table], "runs": [asdict(r) for r in runs]}  # fmt: skip
-    js.write_text(json.dumps(_json_safe(payload), indent=1) + "\n")
+    js.write_text(json.dumps(arena.json_safe(payload), indent=1) + "\n")
     return md, js
 
 
