@@ -3,6 +3,7 @@ DeepSpeed), and how their weights are compared with one rank's."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -67,3 +68,23 @@ class Ranks:
         import ray
 
         return ray.get([a.call.remote(method, *args) for a in self.actors], timeout=300)
+
+
+def rank_groups(
+    sizes: tuple[int, ...], num_cpus: int, env: dict[str, str] | None = None
+) -> Iterator[dict[int, Ranks]]:
+    """A :class:`Ranks` group of each size in ``sizes`` on a local Ray cluster of
+    ``num_cpus`` (started here unless one is running, and shut down after); the body of a
+    module-scoped fixture: ``yield from rank_groups((1, 2), num_cpus=4)``."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    out = {size: Ranks(size, env) for size in sizes}
+    yield out
+    for ranks in out.values():
+        for actor in ranks.actors:
+            ray.kill(actor)
+    if started:
+        ray.shutdown()

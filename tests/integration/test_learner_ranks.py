@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from learner_factories import make_batch
-from rank_groups import Ranks, assert_same_weights
+from rank_groups import Ranks, assert_same_weights, rank_groups
 
 from learner.config import LearnerConfig, PPOConfig, SOGRPOConfig, STPPOConfig
 
@@ -29,18 +29,7 @@ NOT_COMPARED = {"step_s", "tokens_per_s"}  # wall time
 
 @pytest.fixture(scope="module")
 def groups() -> Iterator[dict[int, Ranks]]:
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    out = {1: Ranks(1), 2: Ranks(2)}
-    yield out
-    for ranks in out.values():
-        for actor in ranks.actors:
-            ray.kill(actor)
-    if started:
-        ray.shutdown()
+    yield from rank_groups((1, 2), num_cpus=4)
 
 
 def run(ranks: Ranks, model: Path, algorithm, zero_stage: int, micro: int):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from learner_factories import make_batch
-from rank_groups import Ranks, assert_same_weights
+from rank_groups import Ranks, assert_same_weights, rank_groups
 
 from learner.config import LearnerConfig, STPPOConfig
 
@@ -66,18 +66,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tok) -> Path:
 
 @pytest.fixture(scope="module")
 def groups() -> Iterator[dict[int, Ranks]]:
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
-    out = {1: Ranks(1, MALLOC_ENV), 4: Ranks(4, MALLOC_ENV)}
-    yield out
-    for ranks in out.values():
-        for actor in ranks.actors:
-            ray.kill(actor)
-    if started:
-        ray.shutdown()
+    yield from rank_groups((1, 4), num_cpus=5, env=MALLOC_ENV)
 
 
 def step(ranks: Ranks, model: Path, **settings):
