@@ -67,6 +67,12 @@ class RunSection(StrictModel):
     eval_questions: int = Field(64, ge=0, le=1_000_000)
     """Validation questions per evaluation (0 disables evaluation)."""
 
+    eval_batch_questions: int = Field(0, ge=0, le=100_000)
+    """Questions per evaluation rollout call, decoded together by one engine (0 =
+    ``rollout.prompts_per_batch``, as a training batch). More per call keeps a CPU engine's
+    decode batch full (an evaluation is all decode), at the cost of coarser progress lines;
+    the KV cache queues what does not fit."""
+
     eval_before_warm_start: bool = True
     """Evaluate the base model before the warm start (tag ``before_warm_start``). A base
     model that never writes the answer format scores 0 here whatever it knows; a run that

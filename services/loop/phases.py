@@ -190,7 +190,7 @@ class Phases:
             services.loop.fleet.RolloutActorLost: an actor cannot come back.
         """
         cfg = self.config()
-        chunk = max(1, cfg.rollout.prompts_per_batch)
+        chunk = max(1, cfg.run.eval_batch_questions or cfg.rollout.prompts_per_batch)
         total = sum(len(shard) for shard in shards)
         done, crashes, started = 0, 0, time.perf_counter()
         pending = {i: shard for i, shard in enumerate(shards) if shard}
