@@ -312,6 +312,72 @@ def print_eval_tables(scores: list[SetScore], title: str) -> None:
     console.print(detail)
 
 
+@dataclass(frozen=True)
+class PairedGain:
+    """The change in success between two evaluations of the same questions.
+
+    Attributes:
+        n: questions in both evaluations.
+        fixed: questions wrong in the first and right in the second.
+        broken: questions right in the first and wrong in the second.
+        gain: ``(fixed - broken) / n``, the change in success rate.
+        low, high: its 95% interval, Newcombe's method 10 for paired proportions (Wilson
+            intervals combined with the pairs' correlation).
+        p_value: exact two-sided McNemar test (binomial on the ``fixed + broken``
+            discordant questions, p = 1/2); 1.0 without any.
+    """
+
+    n: int
+    fixed: int
+    broken: int
+    gain: float
+    low: float
+    high: float
+    p_value: float
+
+
+def paired_gain(first: dict[str, bool], second: dict[str, bool]) -> PairedGain | None:
+    """The change in success from ``first`` to ``second`` (question id -> correct) over the
+    questions both scored, with its 95% interval (R. G. Newcombe, "Improved confidence
+    intervals for the difference between binomial proportions based on paired data",
+    Statistics in Medicine 17, 1998, method 10) and the exact McNemar p-value. A paired
+    interval is narrower than two separate ones: questions both evaluations got right or
+    wrong carry no noise. None when no question is in both."""
+    import math
+
+    from scipy.stats import binomtest
+
+    ids = sorted(set(first) & set(second))
+    n = len(ids)
+    if n == 0:
+        return None
+    e = sum(first[q] and second[q] for q in ids)  # right in both
+    f = sum(first[q] and not second[q] for q in ids)  # broken
+    g = sum(not first[q] and second[q] for q in ids)  # fixed
+    h = n - e - f - g
+    p1, p2 = (e + f) / n, (e + g) / n
+    l1, u1 = binomtest(e + f, n).proportion_ci(method="wilson")
+    l2, u2 = binomtest(e + g, n).proportion_ci(method="wilson")
+    a = (e + f) * (g + h) * (e + g) * (f + h)
+    phi = (e * h - f * g) / math.sqrt(a) if a else 0.0
+    # Newcombe's theta = p1 - p2 has (theta - delta, theta + eps); the gain is -theta
+    delta = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    eps = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    gain = p2 - p1
+    p_value = binomtest(g, f + g, 0.5).pvalue if f + g else 1.0
+    return PairedGain(n, g, f, gain, gain - eps, gain + delta, float(p_value))
+
+
+def _correct_by_question(run_dir: Path, tag: str) -> dict[str, bool]:
+    from services.run_records import read_records
+
+    return {
+        str(r["question_id"]): bool(r.get("correct"))
+        for r in read_records(run_dir / "eval_samples.jsonl")
+        if r.get("tag") == tag and "question_id" in r
+    }
+
+
 def result_line(run_dir: Path) -> str | None:
     """The run's result in one line: greedy validation success when RL started (tag
     ``start``, or ``resume``) and at the end (``eval.jsonl``), each with its 95% Wilson
@@ -340,7 +406,22 @@ def result_line(run_dir: Path) -> str | None:
         if low1 <= high0 and low0 <= high1
         else "the intervals do not overlap"
     )
-    return (
+    line = (
         f"validation success (greedy): {parts[0]}; {parts[1]} after "
         f"{end.get('learner_step', 0)} RL step(s) (95% Wilson intervals; {verdict})"
+    )
+    paired = paired_gain(
+        _correct_by_question(run_dir, first["tag"]), _correct_by_question(run_dir, "end")
+    )
+    if paired is None:
+        return line
+    if paired.low <= 0.0 <= paired.high:
+        verdict = "the interval holds 0: no evidence of a change"
+    else:
+        verdict = "above 0: RL gained" if paired.gain > 0 else "below 0: RL lost"
+    return (
+        f"{line}; paired on the same {paired.n} questions: {paired.fixed} fixed, "
+        f"{paired.broken} broken, gain {paired.gain:+.3f} [{paired.low:+.2f}, "
+        f"{paired.high:+.2f}] (95%, Newcombe; exact McNemar p = {paired.p_value:.2g}; "
+        f"{verdict})"
     )

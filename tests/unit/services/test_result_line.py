@@ -41,3 +41,46 @@ def test_the_result_line_states_both_evaluations_with_intervals(tmp_path, start,
 def test_no_result_without_both_evaluations(tmp_path):
     evals = [{"tag": "start", "num_questions": 8, "success_rate": 0.5}]
     assert result_line(write_evals(tmp_path, evals)) is None
+
+
+def write_samples(run_dir: Path, first: list[bool], end: list[bool]) -> None:
+    with (run_dir / "eval_samples.jsonl").open("w") as f:
+        for tag, correct in (("start", first), ("end", end)):
+            for i, c in enumerate(correct):
+                f.write(json.dumps({"tag": tag, "question_id": f"q{i}", "correct": c}) + "\n")
+
+
+def test_the_gain_is_paired_on_the_same_questions(tmp_path):
+    # 40 questions: 10 right in both, 8 fixed by RL, 1 broken, 21 wrong in both
+    first = [True] * 10 + [False] * 8 + [True] + [False] * 21
+    end = [True] * 10 + [True] * 8 + [False] + [False] * 21
+    write_samples(tmp_path, first, end)
+    evals = [
+        {"tag": "start", "num_questions": 40, "success_rate": 11 / 40, "learner_step": 0},
+        {"tag": "end", "num_questions": 40, "success_rate": 18 / 40, "learner_step": 8},
+    ]
+    line = result_line(write_evals(tmp_path, evals))
+    # the separate intervals overlap, the paired one does not hold 0
+    assert "the intervals overlap" in line
+    assert "paired on the same 40 questions: 8 fixed, 1 broken, gain +0.175 [" in line
+    assert "above 0: RL gained" in line
+    assert "exact McNemar p = 0.039" in line  # 2 * P(Binomial(9, 1/2) <= 1) = 20/512
+
+
+def test_paired_gain_interval():
+    from services.evaluate import paired_gain
+
+    same = {f"q{i}": i < 5 for i in range(20)}
+    none = paired_gain(same, same)
+    assert (none.gain, none.fixed, none.broken, none.p_value) == (0.0, 0, 0, 1.0)
+    assert none.low < 0.0 < none.high
+    lost = paired_gain({"a": True, "b": True, "c": True}, {"a": False, "b": False, "c": False})
+    assert lost.gain == -1.0 and lost.high < 0.0 and lost.low >= -1.0
+    assert paired_gain({"a": True}, {"b": True}) is None  # no question in both
+    # pairing narrows the interval: 30 concordant questions carry no noise
+    wide = paired_gain({f"q{i}": False for i in range(6)}, {f"q{i}": i < 4 for i in range(6)})
+    narrow = paired_gain(
+        {f"q{i}": i >= 6 and i < 21 for i in range(36)},
+        {f"q{i}": i < 4 or (i >= 6 and i < 21) for i in range(36)},
+    )
+    assert narrow.high - narrow.low < wide.high - wide.low
