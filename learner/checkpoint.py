@@ -79,9 +79,13 @@ class CheckpointMixin(WeightsMixin):
 
             dist.barrier()
 
-    def load_checkpoint(self, directory: str | Path) -> None:
+    def load_checkpoint(self, directory: str | Path, policy_version: int | None = None) -> None:
         """Restore what :meth:`save_checkpoint` wrote (weights, optimizer states, step,
         version, algorithm).
+
+        ``policy_version``: number the restored weights with this version instead of the
+        saved one (a rollback: the engines never load a decreasing version, so the restored
+        policy is published as a new one; None: the saved version).
 
         Resuming needs the ``num_ranks`` and ``zero_stage`` the checkpoint was written with
         (DeepSpeed stores one optimizer partition per rank); another value fails here,
@@ -123,6 +127,7 @@ class CheckpointMixin(WeightsMixin):
             self._load_module_state(self.reference_engine.module, saved.state_dict())
         self.reference_version = reference_version
         self.global_step = int(state["global_step"])
-        self.policy_version = int(state["policy_version"])
+        saved_version = int(state["policy_version"])
+        self.policy_version = saved_version if policy_version is None else int(policy_version)
         self.nonfinite_steps_total = int(state["nonfinite_steps_total"])
         self.set_algorithm(state["algorithm"])

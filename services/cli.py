@@ -86,9 +86,11 @@ def train(
 ) -> None:
     """Run the asynchronous actor-learner job (Ray actors, DeepSpeed learner, retrieval server).
 
-    Exit status: 0 finished; 2 bad config or a run directory refused (run.resume); 74 the
-    disk filled up (the last complete checkpoint still resumes); 75 stopped by SIGTERM
-    after a checkpoint (resume it); 1 any other failure."""
+    Exit status: 0 finished; 2 bad config or a run directory refused (run.resume); 3 the
+    stability guard stopped the run, its rollback budget (guard.max_rollbacks) spent, after
+    a final checkpoint and evaluation; 74 the disk filled up (the last complete checkpoint
+    still resumes); 75 stopped by SIGTERM after a checkpoint (resume it); 1 any other
+    failure."""
     cfg = _load(config)
     from services.run_records import RunDirInUse, plan_start
 
@@ -102,7 +104,13 @@ def train(
 
     configure_local_caches(hub_online=is_hub_id(cfg.model.path))
     from services.driver import run_training
-    from services.run_records import EXIT_DISK_FULL, EXIT_INTERRUPTED, TrainingInterrupted
+    from services.run_records import (
+        EXIT_DISK_FULL,
+        EXIT_GUARD_STOPPED,
+        EXIT_INTERRUPTED,
+        GuardStopped,
+        TrainingInterrupted,
+    )
 
     try:
         with _pid_file(os.environ.get("STPPO_PID_FILE")):
@@ -116,6 +124,9 @@ def train(
             err=True,
         )
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except GuardStopped as e:
+        typer.secho(str(e), fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(EXIT_GUARD_STOPPED) from None
     except OSError as e:
         from services.atomic import DiskFullError, is_disk_full
 

@@ -432,6 +432,18 @@ class GuardConfig(StrictModel):
     max_actions: int = Field(3, ge=0, le=1000)
     """Actions per run at most; once spent, ``act`` decisions are logged as ``warn``."""
 
+    rollback: bool = True
+    """Mode ``act`` only: each action first rolls the learner back, in process, to the newest
+    checkpoint before the learner step at which the triggering rule's signal began (policy,
+    critic, optimizer, counters, sampler position; the live config stays), then the ladder's
+    change applies. Without such a checkpoint the action only tightens. ``false``: the
+    ladder only tightens."""
+
+    max_rollbacks: int = Field(2, ge=0, le=1000)
+    """Rollbacks per run at most, counted across resumes. An ``act`` decision that would roll
+    back once they are spent stops the run instead: it ends like a finished one (checkpoint,
+    end evaluation) and ``stppo train`` exits with status 3."""
+
     staleness_factor: float = Field(0.25, gt=0.0, lt=1.0)
     """``lower_staleness``: the new ``buffer.max_staleness`` is the old one times this,
     rounded down, at least ``min_staleness``."""

@@ -13,6 +13,8 @@ buffer lives in the driver's process:
 4. Live config changes from the control plane are applied between learner steps
    (:mod:`services.loop.live_config`); checkpoints are taken when due
    (:mod:`services.loop.checkpoint`), and every step is reported (:mod:`services.loop.report`).
+5. The stability guard reads every step record (:mod:`services.loop.autopilot`); it may roll
+   the job back to a checkpoint in process (:mod:`services.loop.restore`) or end the run.
 
 The driver builds these parts and then only routes finished Ray refs to their owners; it
 alone changes the run's counters (:class:`services.loop.checkpoint.DriverState`), from what
@@ -49,8 +51,9 @@ class Driver:
 
     ``run`` raises :class:`services.run_records.RunDirInUse` (``never`` on a used directory),
     ``FileNotFoundError`` (``must`` without a checkpoint),
-    :class:`services.atomic.DiskFullError` (a checkpoint did not fit), and, after SIGTERM and
-    its checkpoint, :class:`services.run_records.TrainingInterrupted`.
+    :class:`services.atomic.DiskFullError` (a checkpoint did not fit), after SIGTERM and
+    its checkpoint :class:`services.run_records.TrainingInterrupted`, after the end of a run
+    the stability guard stopped :class:`services.run_records.GuardStopped`.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class Driver:
             self.sync.push_final(self.state.policy_version)  # the end evaluation's weights
             self._evaluate("end")
             self.report.curves(self.services.run_dir)
+            self.autopilot.end(self.services.run_dir)  # raises GuardStopped after its stop
             return self.state
         finally:
             if self.services is not None:
@@ -109,7 +113,7 @@ class Driver:
 
     def _start(self) -> None:
         """Open the run directory, start the services, build the parts."""
-        from services.loop import autopilot, bootstrap
+        from services.loop import autopilot, bootstrap, restore
         from services.loop.parts import build_parts
 
         bootstrap.preflight(self.cfg)
@@ -120,6 +124,7 @@ class Driver:
         self.fleet, self.sync, self.pipeline, self.phases = p.fleet, p.sync, p.pipeline, p.phases
         self.targets = p.targets  # where a new config takes effect
         self.autopilot = autopilot.Autopilot(self.control, self.services, self.report.say)
+        self.restore = restore.Restore(self.checkpoints, p, self.services.records, self.autopilot)
 
     # ------------------------------------------------------------------ the loop
 
@@ -130,6 +135,7 @@ class Driver:
         while (
             self.state.learner_step < self.cfg.run.num_steps
             and not self.stop_requested.is_set()
+            and self.autopilot.stop is None
             and time.monotonic() < deadline
         ):
             if self.pipeline.step is None:
@@ -166,8 +172,8 @@ class Driver:
         if outcome.died:  # every call running on it is lost
             return
         trajectories = outcome.trajectories
-        attempt = self.services.records.lineage.attempt
-        accepted = self.pipeline.accept(trajectories, call.first_draw, attempt)
+        ids = self.services.records.lineage.attempt, len(self.autopilot.guard.rollbacks)
+        accepted = self.pipeline.accept(trajectories, call.first_draw, *ids)
         landed = sum(int(t.extra.get("inflight_weight_updates", 0)) for t in trajectories)
         self.state.inflight_weight_updates += landed
         self.state.trajectories_generated += len(trajectories)
@@ -206,8 +212,11 @@ class Driver:
         self.report.step_done(
             record, self.state, stats, [s.engine_version for s in self.fleet.slots]
         )
-        self.autopilot.step(record, self.cfg)  # the stability guard (services.loop.guard)
-        if self.checkpoints.due(self.state.learner_step):
+        decision = self.autopilot.step(record, self.cfg, self.checkpoints)  # the stability guard
+        if decision.rollback_to is not None:  # then the guard's change, and a checkpoint
+            self.state = self.restore.rollback(decision, self.state, self.cfg, self._on_crash)
+            self._apply_pending_changes()
+        if decision.rollback_to is not None or self.checkpoints.due(self.state.learner_step):
             self._checkpoint()
 
     # ------------------------------------------------------------------ phases
@@ -245,14 +254,10 @@ class Driver:
         position, and the live-changed fields of the config saved with it (variant and its
         options, staleness bound, learning rates, actors, sync period), which override the
         command line's, so the learner, the driver, ``ctl status`` and the metrics agree."""
-        import ray
-
         from services.loop.live_config import apply_config, restore_live_fields
 
-        ray.get(self.learner.load_checkpoint.remote(str(path)))
-        self.state, saved = self.checkpoints.load(path)
-        self.checkpoints.last_saved_step = self.state.learner_step  # it is on disk already
-        self.sampler.num_drawn = self.state.questions_drawn
+        self.state, saved = self.restore.load(path)
+        self.autopilot.restore(self.state.guard)  # the guard's budgets, cooldown, windows
         self._run_started_s = time.perf_counter() - self.state.elapsed_s
         if saved is not None:
             self.cfg = restore_live_fields(self.cfg, saved)
@@ -270,6 +275,7 @@ class Driver:
     def _checkpoint(self) -> None:
         import ray
 
+        self.state.guard = self.autopilot.state()
         self.state.questions_drawn = self.sampler.num_drawn
         self.state.elapsed_s = round(time.perf_counter() - self._run_started_s, 3)
         self.state.record_lines = self.services.records.line_counts()

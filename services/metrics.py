@@ -228,8 +228,15 @@ class TrainingMetrics:
         )
         self.guard_actions_total = Counter(
             p + "guard_actions",
-            "Config changes the stability guard requested, by ladder step (actions).",
+            "Actions of the stability guard, by action: a ladder step (a config change "
+            "requested) or stop (the run ended, its rollback budget spent) (actions).",
             ["action"],
+            registry=r,
+        )
+        self.guard_rollbacks_total = Counter(
+            p + "guard_rollbacks",
+            "Rollbacks of the stability guard: the learner restored from the last good "
+            "checkpoint before an action (rollbacks).",
             registry=r,
         )
         self.guard_level = Gauge(
@@ -439,9 +446,16 @@ class TrainingMetrics:
         """Count one applied live change of the dotted config ``field``."""
         self.config_changes_total.labels(field=_require_label("field", field)).inc()
 
-    def observe_guard(self, level: str, action: str | None, signals: Mapping[str, float]) -> None:
+    def observe_guard(
+        self,
+        level: str,
+        action: str | None,
+        signals: Mapping[str, float],
+        rolled_back: bool = False,
+    ) -> None:
         """One stability-guard decision: ``level`` (``ok``, ``warn``, ``act``), the action
-        requested (None: none) and the smoothed signals.
+        requested (None: none; ``stop``: the run ends), the smoothed signals, and whether it
+        rolls back to a checkpoint (counted with ``act`` only).
 
         Raises:
             ValueError: an unknown level.
@@ -454,6 +468,8 @@ class TrainingMetrics:
             self.guard_decisions_total.labels(level=level).inc()
         if action is not None and level == "act":
             self.guard_actions_total.labels(action=_require_label("action", action)).inc()
+        if rolled_back and level == "act":
+            self.guard_rollbacks_total.inc()
         for signal, value in signals.items():
             self.guard_signal.labels(signal=_require_label("signal", signal)).set(value)
 

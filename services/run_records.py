@@ -49,6 +49,12 @@ EXIT_DISK_FULL = 74
 error line names the path and the bytes it needed; the last complete checkpoint resumes."""
 
 
+EXIT_GUARD_STOPPED = 3
+"""``stppo train`` exit status when the stability guard stopped the run: an action would
+have rolled back with ``guard.max_rollbacks`` spent. The run ended like a finished one
+(checkpoint, end evaluation, records) before ``run.num_steps``; one line says why."""
+
+
 class RunDirInUse(RuntimeError):
     """``run.resume = "never"`` on a run directory that already holds a run; the message is
     one line naming the directory and the ways on."""
@@ -65,6 +71,26 @@ class TrainingInterrupted(RuntimeError):
     def __init__(self, step: int, run_dir: Path) -> None:
         super().__init__(f"interrupted at step {step} (checkpoint in {run_dir / 'checkpoints'})")
         self.step = step
+        self.run_dir = run_dir
+
+
+class GuardStopped(RuntimeError):
+    """The stability guard ended the run before ``run.num_steps``: its rollback budget was
+    spent (:data:`services.loop.guard.STOP`). Raised after the run's end (checkpoint, end
+    evaluation, records), so nothing is lost.
+
+    Attributes:
+        step: the learner step at which it stopped.
+        reason: the decision's reason (``rollback budget spent (2 of 2)``).
+        run_dir: the run directory.
+    """
+
+    def __init__(self, step: int, reason: str, run_dir: Path) -> None:
+        super().__init__(
+            f"stopped by the stability guard at step {step}: {reason} (guard.jsonl in {run_dir})"
+        )
+        self.step = step
+        self.reason = reason
         self.run_dir = run_dir
 
 
@@ -266,6 +292,21 @@ class RecordWriter:
             f.write(line)
         self._lines[name] += 1
         return stamped
+
+    def supersede_after(
+        self, keep: dict[str, int], except_files: tuple[str, ...] = ()
+    ) -> dict[str, int]:
+        """A rollback: :func:`supersede_after` with the ``keep`` counts of the checkpoint
+        rolled back to, except the files in ``except_files`` (kept whole: what the guard
+        decided, the live changes that still hold); this writer counts the files afresh.
+
+        Returns:
+            ``{file name: lines moved}``.
+        """
+        keep = {**keep, **{name: self.line_counts().get(name, 0) for name in except_files}}
+        moved = supersede_after(self.run_dir, keep)
+        self._lines.clear()
+        return moved
 
     def line_counts(self) -> dict[str, int]:
         """``{file name: lines}`` of every ``*.jsonl`` in the run directory now (files this

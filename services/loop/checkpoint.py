@@ -16,6 +16,10 @@ matches its files (:func:`checkpoint_problem`; a ``step_N`` folder from before m
 with a readable ``driver_state.json``, is taken as written); an incomplete or partial one is never
 resumed from, and :meth:`CheckpointStore.sweep` moves it to ``checkpoints/incomplete/``
 with its reason. Ray-free: the learner's part is written by a callable.
+
+Retention (:meth:`CheckpointStore.prune`): the newest ``checkpoint.keep_last``, the one
+``latest`` names, and those a rollback of the stability guard may go to
+(:attr:`CheckpointStore.keep_before`), the last one of which ``checkpoints/last_good`` names.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ MANIFEST = "manifest.json"
 
 LATEST = "latest"
 """``checkpoints/latest``: the name of the checkpoint a resume starts from."""
+
+LAST_GOOD = "last_good"
+"""``checkpoints/last_good``: the checkpoint the retention keeps for a rollback."""
 
 INCOMPLETE_DIR = "incomplete"
 """``checkpoints/incomplete/``: partial or damaged checkpoints moved aside."""
@@ -68,6 +75,21 @@ class DriverState:
     warm_started: bool = False
     elapsed_s: float = 0.0  # training wall time up to the checkpoint, summed over attempts
     record_lines: dict[str, int] = field(default_factory=dict)  # lines per *.jsonl file
+    guard: dict[str, Any] = field(default_factory=dict)  # services.loop.guard_state.save_state
+
+
+def checkpoint_name(step: int) -> str:
+    """``step_NNNNNN``: the folder of learner step ``step``'s checkpoint."""
+    return f"step_{step:06d}"
+
+
+def step_of(path: Path) -> int:
+    """The learner step in a checkpoint folder's name (``step_000012`` -> 12).
+
+    Raises:
+        ValueError: not a ``step_N`` name.
+    """
+    return int(path.name.split(".")[0].removeprefix("step_"))
 
 
 def _sha256(path: Path) -> str:
@@ -133,6 +155,11 @@ class CheckpointStore:
         root: the checkpoints folder (created on the first save).
         keep_last: complete checkpoints kept (older ones are deleted after a save).
         every_k_steps: a checkpoint is due every this many learner steps (0: never).
+
+    Attributes:
+        keep_before: ``(step, newer)`` or None: the newest complete checkpoint before
+            learner step ``step`` survives every prune (the last good one), and with
+            ``newer`` every later one (:func:`services.loop.guard_state.protect_before`).
     """
 
     def __init__(self, root: Path, keep_last: int = 2, every_k_steps: int = 0) -> None:
@@ -140,6 +167,7 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.every_k_steps = every_k_steps
         self.last_saved_step = -1
+        self.keep_before: tuple[int, bool] | None = None
 
     def due(self, step: int) -> bool:
         """A periodic checkpoint is due after learner step ``step``."""
@@ -158,7 +186,7 @@ class CheckpointStore:
             DiskFullError: the disk filled up; the partial folder is removed and the
                 previous checkpoint stays the one ``latest`` names.
         """
-        final = self.root / f"step_{step:06d}"
+        final = self.root / checkpoint_name(step)
         partial = final.with_name(final.name + ".partial")
         self.root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
@@ -236,13 +264,33 @@ class CheckpointStore:
         saved = json.loads(config_path.read_text()) if config_path.exists() else None
         return state, saved
 
+    def steps(self) -> list[int]:
+        """The learner steps of the complete checkpoints, oldest first."""
+        return [step_of(p) for p in self.complete()]
+
+    def last_good(self) -> Path | None:
+        """The newest complete checkpoint before :attr:`keep_before`'s step, or None."""
+        if self.keep_before is None:
+            return None
+        before = [p for p in self.complete() if step_of(p) < self.keep_before[0]]
+        return before[-1] if before else None
+
     def prune(self) -> None:
-        """Delete complete checkpoints beyond the newest ``keep_last`` (never the one
-        ``latest`` names)."""
-        keep = self.latest()
+        """Delete complete checkpoints beyond the newest ``keep_last``, never the one
+        ``latest`` names nor those :attr:`keep_before` keeps: the last good one
+        (:meth:`last_good`, which ``checkpoints/last_good`` then names) and, with its
+        ``newer``, every later one."""
+        good = self.last_good()
+        keep = {self.latest(), good}
+        if good is not None:
+            write_atomic(self.root / LAST_GOOD, good.name)
+        newer_from = None
+        if self.keep_before is not None and self.keep_before[1]:
+            newer_from = self.keep_before[0]
         for old in self.complete()[: -self.keep_last]:
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
+            if old in keep or (newer_from is not None and step_of(old) >= newer_from):
+                continue
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def checkpoint_step(path: Path | None) -> int:

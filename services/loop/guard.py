@@ -18,14 +18,18 @@ threshold and a level; a rule holds at a step when the trailing mean of its sign
 - ``ok``: no rule holds (and always with ``guard.mode = "off"``).
 
 An ``act`` decision with ``guard.mode = "act"`` takes the first step of ``guard.ladder``
-that still applies (:func:`plan_action`): lower ``buffer.max_staleness`` (again, until
-``guard.min_staleness``), switch to the behaviour objective, lower the learning rate. Its
-change is requested from the control plane like a person's
-(:meth:`services.control.ControlState.request_change`, applied at the next step boundary),
-and a step that would change a field a person changed live during the run is skipped: a
-person's change is never undone. ``guard.max_actions`` bounds the actions of a run.
+that still applies (:func:`services.loop.ladder.plan_action`): lower
+``buffer.max_staleness`` (again, until ``guard.min_staleness``), switch to the behaviour
+objective, lower the learning rate. Its change is requested from the control plane like a
+person's (:meth:`services.control.ControlState.request_change`, applied at the next step
+boundary), and a step that would change a field a person changed live during the run is
+skipped: a person's change is never undone. ``guard.max_actions`` bounds the actions.
 
-Not built: rolling back to the last good checkpoint (the ladder only tightens).
+With ``guard.rollback`` (and the checkpoints given), the ``act`` decision also names the
+checkpoint the driver restores first: the newest before the step at which the rule's signal
+began (:meth:`Guard.signal_began`, :func:`services.loop.ladder.plan_rollback`), or none. With
+``guard.max_rollbacks`` spent, an action that would roll back is a stop (:data:`STOP`).
+:mod:`services.loop.guard_state` carries the guard through checkpoints and rollbacks.
 
 Pure (no Ray, no torch, no I/O): :mod:`services.loop.autopilot` runs it in the driver's
 loop and writes what it decides; ``experiments/guard_replay.py`` replays archived runs.
@@ -39,15 +43,24 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from services.config import GuardConfig, GuardRule, RunConfig
+from services.config import GuardRule, RunConfig
+from services.loop.ladder import Plan, last_good, plan_action, plan_rollback, touches
+
+__all__ = ["LEVELS", "STOP", "Decision", "Guard", "Plan", "last_good", "plan_action",
+           "plan_rollback", "rule_holds"]  # fmt: skip
 
 Level = Literal["ok", "warn", "act"]
 
 LEVELS: tuple[str, ...] = ("ok", "warn", "act")
 """Decision levels, in order (the ``stppo_guard_level`` gauge is the index)."""
 
-ACTIONS: tuple[str, ...] = ("lower_staleness", "behavior_objective", "lower_lr")
-"""The ladder's steps (:func:`plan_action`)."""
+STOP = "stop"
+"""The action of an ``act`` decision that would roll back with ``guard.max_rollbacks``
+spent: the run ends (``stppo train`` exits with
+:data:`services.run_records.EXIT_GUARD_STOPPED`)."""
+
+WINDOW_KEPT = 1000
+"""Values kept per signal (the largest ``guard.window``)."""
 
 
 @dataclass
@@ -67,6 +80,10 @@ class Decision:
         reason: why not (``mode warn``, ``cooldown``, ``warmup``, ``budget spent``,
             ``ladder spent``) or what a refused step said.
         before, after: the dotted config fields the action changed, before and after.
+        rollback: None where none was considered (no ``act`` in mode ``act`` with
+            ``guard.rollback`` and checkpoints); else ``from_step``, ``signal_began``,
+            ``to_step`` and ``checkpoint`` (None when there is none before the signal, or the
+            budget is spent) and ``reason`` (why none; ``""`` when it rolls back).
     """
 
     step: int
@@ -80,6 +97,19 @@ class Decision:
     reason: str = ""
     before: dict[str, Any] = field(default_factory=dict)
     after: dict[str, Any] = field(default_factory=dict)
+    rollback: dict[str, Any] | None = None
+
+    @property
+    def rollback_to(self) -> int | None:
+        """The learner step of the checkpoint this decision rolls back to (None: none)."""
+        if self.level != "act" or self.action == STOP or self.rollback is None:
+            return None
+        return self.rollback.get("to_step")
+
+    @property
+    def stops(self) -> bool:
+        """The run ends here (the rollback budget is spent)."""
+        return self.level == "act" and self.action == STOP
 
     def record(self) -> dict[str, Any]:
         """The ``guard.jsonl`` line (NaN signals as None)."""
@@ -88,68 +118,8 @@ class Decision:
             "step": self.step, "level": self.level, "mode": self.mode, "rule": self.rule,
             "holding": self.holding, "signals": signals, "action": self.action,
             "would_act": self.would_act, "reason": self.reason,
-            "before": self.before, "after": self.after,
+            "before": self.before, "after": self.after, "rollback": self.rollback,
         }  # fmt: skip
-
-
-@dataclass
-class Plan:
-    """An action's config change: the nested partial change for the control plane and the
-    dotted fields it changes, before and after."""
-
-    changes: dict[str, Any]
-    before: dict[str, Any]
-    after: dict[str, Any]
-
-
-def plan_action(action: str, cfg: RunConfig, guard: GuardConfig) -> Plan | None:
-    """The config change of one ladder step on ``cfg``; None where it does not apply.
-
-    - ``lower_staleness``: ``buffer.max_staleness`` to ``max(min_staleness,
-      floor(s * staleness_factor))`` (None if that is not lower), with ``sync.every_k_steps``
-      lowered to the new bound + 1 where it exceeds it;
-    - ``behavior_objective``: ``algorithm.off_policy`` to ``behavior`` (the rollout
-      correction, M2PO and the log-linear proximal, which need ``decoupled``, unset; None
-      if already ``behavior``);
-    - ``lower_lr``: ``learner.actor_lr`` times ``lr_factor``.
-
-    Raises:
-        ValueError: an unknown action.
-    """
-    if action == "lower_staleness":
-        old = cfg.buffer.max_staleness
-        new = max(guard.min_staleness, math.floor(old * guard.staleness_factor))
-        if new >= old:
-            return None
-        changes: dict[str, Any] = {"buffer": {"max_staleness": new}}
-        before, after = {"buffer.max_staleness": old}, {"buffer.max_staleness": new}
-        if cfg.sync.every_k_steps > new + 1:
-            changes["sync"] = {"every_k_steps": new + 1}
-            before["sync.every_k_steps"] = cfg.sync.every_k_steps
-            after["sync.every_k_steps"] = new + 1
-        return Plan(changes, before, after)
-    if action == "behavior_objective":
-        algo = cfg.algorithm
-        if algo.off_policy == "behavior":
-            return None
-        changes = {"algorithm": {"off_policy": "behavior", "rollout_correction": None,
-                                 "m2po_threshold": None, "proximal": "recompute"}}  # fmt: skip
-        before = {"algorithm.off_policy": algo.off_policy}
-        if algo.rollout_correction is not None:
-            before["algorithm.rollout_correction"] = algo.rollout_correction.model_dump()
-        if algo.m2po_threshold is not None:
-            before["algorithm.m2po_threshold"] = algo.m2po_threshold
-        if algo.proximal != "recompute":
-            before["algorithm.proximal"] = algo.proximal
-        after = {k: ("behavior" if k == "algorithm.off_policy" else
-                     "recompute" if k == "algorithm.proximal" else None) for k in before}  # fmt: skip
-        return Plan(changes, before, after)
-    if action == "lower_lr":
-        old_lr = cfg.learner.actor_lr
-        new_lr = old_lr * guard.lr_factor
-        return Plan({"learner": {"actor_lr": new_lr}}, {"learner.actor_lr": old_lr},
-                    {"learner.actor_lr": new_lr})  # fmt: skip
-    raise ValueError(f"unknown guard action {action!r} (known: {', '.join(ACTIONS)})")
 
 
 def rule_holds(rule: GuardRule, value: float) -> bool:
@@ -161,27 +131,26 @@ def rule_holds(rule: GuardRule, value: float) -> bool:
     return value < rule.below  # type: ignore[operator]
 
 
-def _touches(plan: Plan, person_fields: Collection[str]) -> bool:
-    """Whether ``plan`` changes a field a person changed (or one inside / above it)."""
-    return any(
-        f == p or f.startswith(f"{p}.") or p.startswith(f"{f}.")
-        for f in plan.after for p in person_fields
-    )  # fmt: skip
-
-
 class Guard:
-    """The per-run guard state: each signal's recent values, each rule's streak, the actions
-    taken (module docstring). One instance per run; not saved in checkpoints (a resumed run
-    starts with empty windows and its full action budget).
+    """The per-run guard state: each signal's recent values (with their learner steps), each
+    rule's streak and the step its signal began, the actions and rollbacks taken, the
+    cooldown (module docstring). One per run, kept through checkpoints and resumes
+    (:mod:`services.loop.guard_state`).
 
     :meth:`observe` reads the ``guard`` section of the config it is given each step, so a
-    live change of the rules or the mode applies at once.
+    live change of the rules or the mode applies at once. The cooldown counts observed steps
+    (learner steps), not step numbers, which go back after a rollback.
     """
 
     def __init__(self) -> None:
-        self.values: dict[str, deque[float]] = {}
+        self.values: dict[str, deque[tuple[int, float]]] = {}
         self.streaks: dict[str, int] = {}
+        self.began: dict[str, int] = {}
         self.actions: list[Decision] = []
+        self.rollbacks: list[dict[str, Any]] = []
+        self.steps_seen = 0
+        self.act_rules: set[str] = set()  # the act rules' names at the last observe
+        self.last_action_seen: int | None = None
         self.last_action_step: int | None = None
         self.decisions: dict[str, int] = {level: 0 for level in LEVELS}
 
@@ -189,16 +158,24 @@ class Guard:
         """Mean of the finite values of ``signal`` over the last ``window`` steps (NaN if it
         has none there: a signal that stopped being logged, e.g. the behaviour log-ratio
         after a switch to the behaviour objective, stops holding once its window passes)."""
-        values = [v for v in list(self.values.get(signal, ()))[-window:] if math.isfinite(v)]
+        recent = list(self.values.get(signal, ()))[-window:]
+        values = [v for _, v in recent if math.isfinite(v)]
         return sum(values) / len(values) if values else math.nan
 
-    def _update(self, record: Mapping[str, Any], rules: list[GuardRule]) -> None:
+    def signal_began(self, rule: GuardRule, window: int, step: int) -> int:
+        """The learner step at which ``rule``'s signal began, seen from ``step``, the first
+        step of its streak: the earliest step of the trailing window whose own value is past
+        the threshold (one is, when the window's mean is; ``step`` if none)."""
+        recent = list(self.values.get(rule.signal, ()))[-window:]
+        return next((s for s, v in recent if rule_holds(rule, v)), step)
+
+    def _update(self, step: int, record: Mapping[str, Any], rules: list[GuardRule]) -> None:
         """One entry per step for every rule signal: its value, NaN where not logged."""
         for signal in {r.signal for r in rules}:
             value = record.get(signal)
             number = isinstance(value, int | float) and not isinstance(value, bool)
-            self.values.setdefault(signal, deque(maxlen=1000)).append(
-                float(value) if number else math.nan
+            self.values.setdefault(signal, deque(maxlen=WINDOW_KEPT)).append(
+                (step, float(value) if number else math.nan)
             )
 
     def observe(
@@ -207,6 +184,7 @@ class Guard:
         cfg: RunConfig,
         person_fields: Collection[str] = (),
         request: Callable[[dict[str, Any]], Any] | None = None,
+        checkpoints: Callable[[], Collection[int]] | None = None,
     ) -> Decision:
         """Read one step record and decide (module docstring).
 
@@ -219,18 +197,27 @@ class Guard:
                 (``ValueError``, e.g. :class:`services.config.ConfigError`) is skipped for
                 the next one. None: decide only (the offline replay), as if every step of
                 the ladder had been accepted.
+            checkpoints: returns the learner steps of the complete checkpoints a rollback
+                may go to (called only when an action is about to be taken). None: no
+                rollback is considered (the offline replay).
 
         Returns:
             The :class:`Decision`; ``act`` only when an action was requested (or, with
-            ``request`` None, would have been).
+            ``request`` None, would have been), or when the run stops (:data:`STOP`).
         """
         g = cfg.guard
         step = int(record.get("step", 0))
-        self._update(record, g.rules)
+        self.steps_seen += 1
+        self.act_rules = {r.name for r in g.rules if r.level == "act"}
+        self._update(step, record, g.rules)
         signals = {r.signal: self.smoothed(r.signal, g.window) for r in g.rules}
         holding = [r for r in g.rules if rule_holds(r, signals[r.signal])]
         for r in g.rules:
             self.streaks[r.name] = self.streaks.get(r.name, 0) + 1 if r in holding else 0
+            if self.streaks[r.name] == 1:
+                self.began[r.name] = self.signal_began(r, g.window, step)
+            elif self.streaks[r.name] == 0:
+                self.began.pop(r.name, None)
         if g.mode == "off" or step < g.warmup_steps or not holding:
             decision = Decision(step, "ok", g.mode, signals=signals)
             self.decisions["ok"] += 1
@@ -241,22 +228,25 @@ class Guard:
             holding=[r.name for r in holding],
         )  # fmt: skip
         if ready:
-            self._act(decision, cfg, person_fields, request)
+            self._act(decision, ready[0], cfg, person_fields, request, checkpoints)
         self.decisions[decision.level] += 1
         return decision
 
     def _act(
         self,
         decision: Decision,
+        rule: GuardRule,
         cfg: RunConfig,
         person_fields: Collection[str],
         request: Callable[[dict[str, Any]], Any] | None,
+        checkpoints: Callable[[], Collection[int]] | None,
     ) -> None:
-        """Take (or name) the next ladder step for a decision whose act rule is ready."""
+        """Take (or name) the next ladder step for a decision whose act rule is ready, with
+        its rollback (or the stop, once the rollback budget is spent)."""
         g = cfg.guard
         decision.would_act = True
-        if self.last_action_step is not None and (
-            decision.step - self.last_action_step < g.cooldown_steps
+        if self.last_action_seen is not None and (
+            self.steps_seen - self.last_action_seen < g.cooldown_steps
         ):
             decision.reason = "cooldown"
             return
@@ -264,14 +254,24 @@ class Guard:
             decision.reason = "budget spent"
             return
         refused = []
+        rollback: dict[str, Any] | None = None
         for action in g.ladder:
             plan = plan_action(action, cfg, g)
-            if plan is None or _touches(plan, person_fields):
+            if plan is None or touches(plan, person_fields):
                 continue
             if g.mode != "act":
                 decision.action, decision.before, decision.after = action, plan.before, plan.after
                 decision.reason = f"mode {g.mode}"
                 return
+            if rollback is None and g.rollback and checkpoints is not None:
+                began = self.began.get(rule.name, decision.step)
+                rollback = plan_rollback(decision.step, began, checkpoints())
+                if rollback["to_step"] is not None and len(self.rollbacks) >= g.max_rollbacks:
+                    spent = f"rollback budget spent ({len(self.rollbacks)} of {g.max_rollbacks})"
+                    rollback.update(to_step=None, checkpoint=None, reason=spent)
+                    decision.level, decision.would_act, decision.action = "act", False, STOP
+                    decision.reason, decision.rollback = spent, rollback
+                    return
             if request is not None:
                 try:
                     request(plan.changes)
@@ -281,7 +281,11 @@ class Guard:
             decision.level, decision.would_act, decision.action = "act", False, action
             decision.before, decision.after = plan.before, plan.after
             decision.reason = "; ".join(refused)
+            decision.rollback = rollback
             self.actions.append(decision)
+            if rollback is not None and rollback["to_step"] is not None:
+                self.rollbacks.append(dict(rollback))
             self.last_action_step = decision.step
+            self.last_action_seen = self.steps_seen
             return
         decision.reason = "; ".join(["ladder spent", *refused])

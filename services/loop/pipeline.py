@@ -101,10 +101,13 @@ class Pipeline:
             admitted += per_call
         return admitted
 
-    def accept(self, trajectories: list[Any], first_draw: int, attempt: int) -> int:
+    def accept(
+        self, trajectories: list[Any], first_draw: int, attempt: int, rollbacks: int = 0
+    ) -> int:
         """Stamp a finished rollout call's trajectory ids (:func:`stamp_ids`) and buffer
         them; returns how many the buffer accepted."""
-        stamp_ids(trajectories, first_draw, self.config().rollout.group_size, attempt)
+        group_size = self.config().rollout.group_size
+        stamp_ids(trajectories, first_draw, group_size, attempt, rollbacks)
         return self.buffer.put(trajectories)
 
     def start_step(self, policy_version: int) -> TakeResult | None:
@@ -162,12 +165,18 @@ class Pipeline:
         return self.buffer.stats()
 
 
-def stamp_ids(trajectories: list[Any], first_draw: int, group_size: int, attempt: int) -> None:
+def stamp_ids(
+    trajectories: list[Any], first_draw: int, group_size: int, attempt: int, rollbacks: int = 0
+) -> None:
     """Set ``extra["trajectory_id"] = "a<attempt>-d<draw>-g<k>"``: the run's attempt, the
-    sampler draw of its question and its index in the group. Unique across a run and its
-    resumes: within an attempt the sampler never re-issues a draw, and a resume re-issues the
-    draws made after its checkpoint under a new attempt. ``RolloutWorker.rollout`` returns
-    ``group_size`` trajectories per record, in record order."""
+    sampler draw of its question and its index in the group; after the stability guard's
+    ``n``-th rollback (which re-issues the draws made after its checkpoint within the
+    attempt) ``"a<attempt>r<n>-d<draw>-g<k>"``. Unique across a run, its resumes and its
+    rollbacks: within an attempt and rollback the sampler never re-issues a draw, and a
+    resume re-issues the draws made after its checkpoint under a new attempt.
+    ``RolloutWorker.rollout`` returns ``group_size`` trajectories per record, in record
+    order."""
+    prefix = f"a{attempt}" if rollbacks == 0 else f"a{attempt}r{rollbacks}"
     for k, t in enumerate(trajectories):
         draw, g = first_draw + k // group_size, k % group_size
-        t.extra["trajectory_id"] = f"a{attempt}-d{draw}-g{g}"
+        t.extra["trajectory_id"] = f"{prefix}-d{draw}-g{g}"

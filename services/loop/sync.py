@@ -100,6 +100,13 @@ class SyncCoordinator:
         if any(s.engine_version != policy_version for s in self.fleet.live()):
             self.push(policy_version, blocking=True, exact=True)
 
+    def rewind(self) -> None:
+        """Before the stability guard's rollback pushes the restored weights: wait for the
+        loads in flight, and forget the exports ``sync.fixed_lag`` keeps (the abandoned
+        policy's versions; the restored one is the oldest from now on)."""
+        self.settle()
+        self._lagged = None
+
     def push_to_new(self, slots: list[RolloutSlot]) -> None:
         """Give actors created after the first sync the current weights."""
         if self.current is None or not slots:

@@ -454,18 +454,20 @@ def test_continuous_batching_run_keeps_the_bound(tmp_path: Path, tiny_llama_dir:
             assert line["step"] - 1 - runs[0][0] == staleness <= 2  # the oldest token's
 
 
-def test_the_stability_guard_acts_through_the_control_plane_in_a_run(
+def test_the_stability_guard_rolls_back_and_acts_through_the_control_plane_in_a_run(
     tmp_path: Path, tiny_llama_dir: Path, capfd
 ):
-    """``guard.mode = "act"`` with a rule that holds from learner step 2 (the record's own
-    ``step``): the guard lowers ``buffer.max_staleness`` 4 -> 1 through the control plane,
-    the driver applies it at the next step boundary like a person's change, and the run
-    writes guard.jsonl, the metrics and the end-of-run line."""
+    """``guard.mode = "act"`` with a rule that holds from learner step 3 (the record's own
+    ``step``; window 1, so its signal began at step 3): the guard rolls the learner back in
+    process to the checkpoint of step 2 (the newest before step 3) and lowers
+    ``buffer.max_staleness`` 4 -> 1 through the control plane, applied at once like a
+    person's change; steps 3 and 4 are trained again under the new bound, and the run
+    writes guard.jsonl, the superseded step, the metrics and the end-of-run line."""
     from services.config import update_config
 
     extra = {"run.num_steps": 4, "run.eval_questions": 0, "buffer.max_staleness": 4}
     guard = {"mode": "act", "warmup_steps": 0, "window": 1,
-             "rules": [{"signal": "step", "above": 1.5, "level": "act"}]}  # fmt: skip
+             "rules": [{"signal": "step", "above": 2.5, "level": "act"}]}  # fmt: skip
     cfg = update_config(tiny_run_config(tmp_path, tiny_llama_dir, **extra), {"guard": guard})
     run = RunInThread(cfg)
     run.thread.join(900)
@@ -473,23 +475,43 @@ def test_the_stability_guard_acts_through_the_control_plane_in_a_run(
     if run.error is not None:
         raise run.error
     decisions = read_jsonl(cfg.run_dir / "guard.jsonl")
-    assert decisions[0]["step"] == 2 and decisions[0]["level"] == "act"
+    assert decisions[0]["step"] == 3 and decisions[0]["level"] == "act"
     assert decisions[0]["action"] == "lower_staleness"
     assert decisions[0]["after"] == {"buffer.max_staleness": 1}
-    assert all(d["level"] == "warn" and d["reason"] == "cooldown" for d in decisions[1:])
+    assert decisions[0]["rollback"] == {
+        "from_step": 3, "signal_began": 3, "to_step": 2, "checkpoint": "step_000002",
+        "reason": "",
+    }  # fmt: skip
+    # the trained-again steps 3 and 4 hold the rule too: within the cooldown
+    assert [(d["step"], d["level"], d["reason"]) for d in decisions[1:]] == [
+        (3, "warn", "cooldown"), (4, "warn", "cooldown"),
+    ]  # fmt: skip
+    # the learner went back to step 2 (version 2); its weights were published as version 4
+    # (versions never decrease), so the second step 3 is version 5
+    steps = read_jsonl(cfg.run_dir / "steps.jsonl")
+    assert [(s["step"], s["policy_version"]) for s in steps] == [(1, 1), (2, 2), (3, 5), (4, 6)]
+    (gone,) = read_jsonl(cfg.run_dir / "superseded" / "steps.jsonl")
+    assert (gone["step"], gone["policy_version"]) == (3, 3)
+    assert all(s["staleness_max"] <= 1 for s in steps[2:])  # steps 3 and 4 under the new bound
     changes = read_jsonl(cfg.run_dir / "config_changes.jsonl")
     assert {"learner_step": 2, "fields": ["buffer.max_staleness"]} in [
         {k: c[k] for k in ("learner_step", "fields")} for c in changes
     ]
-    steps = read_jsonl(cfg.run_dir / "steps.jsonl")
-    assert all(s["staleness_max"] <= 1 for s in steps[2:])  # steps 3 and 4 under the new bound
+    assert (run.state.learner_step, run.state.policy_version) == (4, 6)
     assert run.driver.control.config.buffer.max_staleness == 1
     assert run.driver.control.person_fields == set()
+    # the checkpoints carry the guard's state: a resume keeps the rollback it took
+    last = json.loads(
+        (cfg.run_dir / "checkpoints" / "step_000004" / "driver_state.json").read_text()
+    )
+    assert len(last["guard"]["rollbacks"]) == 1 and last["policy_version"] == 6
     metrics = run.driver.services.metrics
     assert metrics.guard_actions_total.labels(action="lower_staleness")._value.get() == 1
-    out = capfd.readouterr()
-    assert "stability guard (mode act): " in out.out + out.err
-    assert "acted: lower_staleness at step 2 (step > 1.5)" in out.out + out.err
+    assert metrics.guard_rollbacks_total._value.get() == 1
+    out = " ".join((lambda o: o.out + o.err)(capfd.readouterr()).split())
+    assert "rolled back from step 3 to step_000002 (step 2, now policy_version 4)" in out
+    assert "stability guard (mode act): " in out
+    assert "acted: lower_staleness at step 3 (step > 2.5; rolled back to step 2); 1 rollback" in out
 
 
 def test_a_kept_warm_start_is_loaded_by_the_next_run_instead_of_trained(
