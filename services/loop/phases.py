@@ -91,6 +91,8 @@ class Phases:
             )
             algorithm = cfg.algorithm.model_dump()
             version = ray.get(self.learner.load_warm_start.remote(str(folder), algorithm))
+            # the kept optimizer states carry the learning rates of the run that kept them
+            ray.get(self.learner.set_lr.remote(cfg.learner.actor_lr, cfg.learner.critic_lr))
             return WarmStartDone(version, {**record, "kept": key})
         done = self._train_warm_start(cfg)
         ray.get(self.learner.save_warm_start.remote(str(cache.staging(key))))

@@ -18,8 +18,9 @@ The key is a SHA-256 over everything the warm start's result depends on:
   (``auto`` is bf16 or fp32 by CPU);
 - the code: the source of ``actors``, ``learner`` and ``retrieval_server``.
 
-What it does not cover: the algorithm, which the warm start does not use (the driver sets
-the run's own on the loaded learner). The newest :data:`KEEP` entries are kept. Only a run
+What it does not cover: the algorithm and RL's learning rates (``learner.actor_lr``,
+``learner.critic_lr``), which the warm start does not use (the driver sets the run's own on
+the loaded learner). The newest :data:`KEEP` entries are kept. Only a run
 with ``sft.cache = true`` (the laptop demo's config) reads or writes the cache.
 """
 
@@ -81,7 +82,9 @@ def warm_start_key(cfg: RunConfig, dtype: str) -> str:
         "model": cfg.model.model_dump(mode="json"),
         "data": cfg.data.model_dump(mode="json"),
         "sft": cfg.sft.model_dump(mode="json"),
-        "learner": cfg.learner.model_dump(mode="json"),
+        # RL's learning rates do not shape the warm start (SFT runs at sft.lr); a loaded
+        # one gets the run's own (Phases.warm_start)
+        "learner": cfg.learner.model_dump(mode="json", exclude={"actor_lr", "critic_lr"}),
         "dtype": dtype,
         "retrieval": {
             "method": server.method,

@@ -539,9 +539,10 @@ def test_a_kept_warm_start_is_loaded_by_the_next_run_instead_of_trained(
     said = capfd.readouterr()
     assert "warm start kept in" in " ".join((said.out + said.err).split())  # lines wrap
 
-    second = tiny_run_config(
-        tmp_path / "second", tiny_llama_dir, **extra, **{"algorithm.variant": "ppo"}
-    )
+    second = tiny_run_config(  # its own RL learning rate: the same key, set after loading
+        tmp_path / "second", tiny_llama_dir, **extra,
+        **{"algorithm.variant": "ppo", "learner.actor_lr": 5e-4},
+    )  # fmt: skip
     Driver(second).run()
     (loaded,) = read_jsonl(second.run_dir / "sft.jsonl")
     assert loaded.pop("kept") == entries[0].name

@@ -31,6 +31,7 @@ def test_the_key_changes_with_what_the_warm_start_depends_on_and_only_that(tmp_p
         {"algorithm": {"variant": "ppo"}},  # the warm start does not use it
         {"run": {"num_steps": 7, "output_dir": str(tmp_path / "elsewhere")}},
         {"buffer": {"max_staleness": 4}},
+        {"learner": {"actor_lr": 3e-5, "critic_lr": 1e-4}},  # RL's, set after loading
     ]
     for change in same:
         assert warm_start_key(config(model, index, **change), "fp32") == base, change
