@@ -10,9 +10,9 @@ buffer lives in the driver's process:
    flight, a learner step takes it (:mod:`services.loop.pipeline`).
 3. After every ``sync.every_k_steps`` steps the learner's new weights go to every engine
    (:mod:`services.loop.sync`); a rollout waits for the version admission counted it at.
-4. Live config changes from the control plane are applied between learner steps
-   (:mod:`services.loop.live_config`); checkpoints are taken when due
-   (:mod:`services.loop.checkpoint`), and every step is reported (:mod:`services.loop.report`).
+4. Between learner steps, live config changes apply (:mod:`services.loop.live_config`), and
+   checkpoints (:mod:`services.loop.checkpoint`) and evaluations (``run.eval_every``,
+   :mod:`services.loop.phases`) run when due; each step is reported (:mod:`services.loop.report`).
 5. The stability guard reads every step record (:mod:`services.loop.autopilot`); it may roll
    the job back to a checkpoint in process (:mod:`services.loop.restore`) or end the run.
 
@@ -131,13 +131,8 @@ class Driver:
     def _train_loop(self) -> None:
         import ray
 
-        deadline = time.monotonic() + self.max_train_s if self.max_train_s > 0 else float("inf")
-        while (
-            self.state.learner_step < self.cfg.run.num_steps
-            and not self.stop_requested.is_set()
-            and self.autopilot.stop is None
-            and time.monotonic() < deadline
-        ):
+        self._deadline = time.monotonic() + (max(self.max_train_s, 0.0) or float("inf"))
+        while self.state.learner_step < self.cfg.run.num_steps and not self._stopping():
             if self.pipeline.step is None:
                 self._apply_pending_changes()
                 self._start_step()
@@ -156,6 +151,10 @@ class Driver:
         self.fleet.abandon_running()  # never trained on, regenerated on resume
         if self.pipeline.step is not None:
             self._on_step_done()
+
+    def _stopping(self) -> bool:  # SIGTERM, the guard's stop or max_train_s ends the loop
+        stop = self.stop_requested.is_set() or self.autopilot.stop is not None
+        return stop or time.monotonic() >= self._deadline
 
     def _route(self, ref: Any) -> None:
         """Hand a finished ref to its owner and count what it says happened."""
@@ -209,13 +208,14 @@ class Driver:
         )  # fmt: skip
         if self.state.learner_step % self.cfg.sync.every_k_steps == 0:
             record["weight_sync_s"] = self.sync.push(self.state.policy_version, blocking=False)
-        self.report.step_done(
-            record, self.state, stats, [s.engine_version for s in self.fleet.slots]
-        )
+        engines = [s.engine_version for s in self.fleet.slots]
+        self.report.step_done(record, self.state, stats, engines)
         decision = self.autopilot.step(record, self.cfg, self.checkpoints)  # the stability guard
         if decision.rollback_to is not None:  # then the guard's change, and a checkpoint
             self.state = self.restore.rollback(decision, self.state, self.cfg, self._on_crash)
             self._apply_pending_changes()
+        elif self.phases.eval_due(self.state.learner_step) and not self._stopping():  # eval_every
+            self._count_restarts(self.phases.evaluate_midway(self.state, self._route))
         if decision.rollback_to is not None or self.checkpoints.due(self.state.learner_step):
             self._checkpoint()
 

@@ -152,7 +152,8 @@ def eval_records(
 
     Args:
         trajectories: one greedy trajectory per question.
-        tag: the evaluation (``start``, ``end`` ... or ``eval_<split>`` for ``stppo eval``).
+        tag: the evaluation (``start``, ``step_<N>``, ``end`` ... or ``eval_<split>`` for
+            ``stppo eval``).
         learner_step: learner steps done when it ran.
         text_cap_chars: see :func:`trajectory_record`.
         mode: ``agent``, ``closed_book`` or ``rag``.

@@ -6,7 +6,9 @@ teaches the tool format. An evaluation (:meth:`Phases.evaluate`) runs the valida
 questions greedily (and, with ``run.eval_sampled``, at the rollout temperature), sharded
 over the rollout actors in chunks; an actor that crashes mid-shard (or came back from a
 restart with the base weights) is re-synced and given its shard again: an evaluation is
-never trained on, so re-running it is safe. Both return what happened; the driver counts it.
+never trained on, so re-running it is safe. With ``run.eval_every`` an evaluation also runs
+between learner steps (:meth:`Phases.evaluate_midway`), on the step's weights, after the
+training rollouts in flight have finished. Both return what happened; the driver counts it.
 """
 
 from __future__ import annotations
@@ -135,10 +137,44 @@ class Phases:
         self.report.say(f"warm start done: {fmt(record)}")
         return WarmStartDone(result.policy_version, record)
 
-    def evaluate(self, tag: str, learner_step: int, policy_version: int) -> int:
+    def eval_due(self, learner_step: int) -> bool:
+        """An evaluation is due after ``learner_step`` (``run.eval_every``): a multiple of it,
+        before the last step (the end evaluation covers that one)."""
+        run = self.config().run
+        if run.eval_every == 0 or run.eval_questions == 0:
+            return False
+        return learner_step % run.eval_every == 0 and 0 < learner_step < run.num_steps
+
+    def evaluate_midway(self, state: Any, route: Callable[[Any], None]) -> int:
+        """The evaluation ``run.eval_every`` asks for after learner step ``N`` (tag
+        ``step_<N>``; ``state``: the driver's counters, at ``N``), on that step's weights,
+        between two learner steps (none in flight): wait for every training rollout in
+        flight, handing each finished ref to ``route`` (the driver's: it buffers the
+        trajectories, valid and stamped with their version, and counts them and any
+        crash), then push the weights and wait for every load
+        (:meth:`SyncCoordinator.push_final`, as before the end evaluation), then evaluate.
+        Its ``eval.jsonl`` record gets ``wait_s``, the seconds before the evaluation could
+        start. Returns the actor crashes met in the evaluation."""
+        learner_step, policy_version = state.learner_step, state.policy_version
+        started = time.perf_counter()
+        while refs := self.fleet.refs():
+            ready, _ = ray.wait(refs, num_returns=1)
+            route(ready[0])
+        drained = time.perf_counter()  # from here on no training rollout runs
+        self.sync.push_final(policy_version)
+        wait_s = round(time.perf_counter() - started, 3)
+        tag = f"step_{learner_step}"
+        crashes = self.evaluate(tag, learner_step, policy_version, {"wait_s": wait_s})
+        self.report.pause_window(time.perf_counter() - drained)  # out of the rollout rates
+        return crashes
+
+    def evaluate(
+        self, tag: str, learner_step: int, policy_version: int, extra: dict[str, Any] | None = None
+    ) -> int:
         """Greedy evaluation on ``run.eval_questions`` validation questions (and the same
         again at the rollout temperature, tag ``<tag>_sampled``, with ``run.eval_sampled``),
-        written to ``eval.jsonl`` and ``eval_samples.jsonl``; returns the actor crashes met.
+        written to ``eval.jsonl`` (the greedy record with ``extra``; each with ``wall_s``,
+        its seconds) and ``eval_samples.jsonl``; returns the actor crashes met.
         """
         from services.sampler import evaluation_questions
 
@@ -148,11 +184,10 @@ class Phases:
         records = evaluation_questions(cfg.data, "validation", cfg.run.eval_questions)
         n = len(self.fleet.slots)
         shards = [records[i::n] for i in range(n)]
-        crashes = self._evaluate_shards(shards, tag, True, learner_step, policy_version)
+        at = learner_step, policy_version
+        crashes = self._evaluate_shards(shards, tag, True, *at, extra or {})
         if cfg.run.eval_sampled:
-            crashes += self._evaluate_shards(
-                shards, f"{tag}_sampled", False, learner_step, policy_version
-            )
+            crashes += self._evaluate_shards(shards, f"{tag}_sampled", False, *at, {})
         if tag == "end":  # the run's result, with intervals
             from services.evaluate import result_line
 
@@ -162,14 +197,17 @@ class Phases:
         return crashes
 
     def _evaluate_shards(
-        self, shards: list[list[dict[str, Any]]], tag: str, greedy: bool, step: int, version: int
-    ) -> int:
+        self, shards: list[list[dict[str, Any]]], tag: str, greedy: bool, step: int,
+        version: int, extra: dict[str, Any],
+    ) -> int:  # fmt: skip
         from services.evaluate import summarize_eval
         from services.records import EVAL_RECORDS, eval_records
 
+        started = time.perf_counter()
         trajectories, crashes = self.rollout_shards(shards, tag, greedy=greedy)
         summary = summarize_eval(trajectories)
-        summary.update(tag=tag, learner_step=step, policy_version=version)
+        summary.update(tag=tag, learner_step=step, policy_version=version, **extra)
+        summary["wall_s"] = round(time.perf_counter() - started, 3)
         if trajectories:  # the weights that answered, as the engines stamped them
             summary["engine_policy_version_min"] = min(t.policy_version_min for t in trajectories)
             summary["engine_policy_version_max"] = max(t.policy_version_max for t in trajectories)

@@ -144,6 +144,10 @@ class Report:
         self._window_start_s = now
         return out
 
+    def pause_window(self, seconds: float) -> None:
+        """Leave ``seconds`` (an evaluation between steps) out of the throughput window."""
+        self._window_start_s += seconds
+
     # ------------------------------------------------------------------ a learner step
 
     def step_taken(self, take: Any) -> None:

@@ -110,7 +110,7 @@ def _control_client(run: RunInThread, run_dir: Path) -> tuple[dict, httpx.Client
 def test_async_run_with_live_variant_change_and_actor_crash(tmp_path: Path, tiny_llama_dir: Path):
     import ray
 
-    cfg = tiny_run_config(tmp_path, tiny_llama_dir)
+    cfg = tiny_run_config(tmp_path, tiny_llama_dir, **{"run.eval_every": 2})
     run = RunInThread(cfg)
     run_dir = cfg.run_dir
     control, client = _control_client(run, run_dir)
@@ -158,8 +158,28 @@ def test_async_run_with_live_variant_change_and_actor_crash(tmp_path: Path, tiny
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     saved = json.loads((run_dir / "checkpoints" / latest / "driver_state.json").read_text())
     assert saved["learner_step"] == 4 and saved["policy_version"] == 4
+    # run.eval_every = 2 of 4 steps: one evaluation between steps, after step 2 (step 4 is
+    # the end's), on step 2's weights, its waits and seconds recorded
     evals = read_jsonl(run_dir / "eval.jsonl")
-    assert [e["tag"] for e in evals] == ["start", "end"]
+    assert [e["tag"] for e in evals] == ["start", "step_2", "end"]
+    midway = evals[1]
+    assert (midway["learner_step"], midway["policy_version"]) == (2, 2)
+    assert midway["engine_policy_version_min"] == midway["engine_policy_version_max"] == 2
+    assert midway["num_questions"] == cfg.run.eval_questions
+    assert midway["wall_s"] > 0 and midway["wait_s"] >= 0
+    tags = {(r["tag"], r["learner_step"]) for r in read_jsonl(run_dir / "eval_samples.jsonl")}
+    assert tags == {("start", 0), ("step_2", 2), ("end", 4)}
+    # the rollouts in flight at step 2 finished into the buffer, none thrown away: each step
+    # trained on a full batch (4 x 4, each trajectory once) and the buffer never overflowed
+    assert run.state.trajectories_consumed == 4 * cfg.learner.train_batch_size
+    consumed = [i for rec in read_jsonl(run_dir / "consumed.jsonl") for i in rec["ids"]]
+    assert len(set(consumed)) == len(consumed) == 4 * cfg.learner.train_batch_size
+    stats = run.driver.pipeline.buffer_stats()
+    assert stats.rejected_full_total == 0
+    assert run.state.trajectories_generated == (
+        stats.taken_total + stats.dropped_stale_total + stats.dropped_retrieval_failed_total
+        + stats.depth
+    )  # fmt: skip
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

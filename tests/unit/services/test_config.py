@@ -80,6 +80,10 @@ def test_dotted_overrides_parse_toml_values():
         ),
         (["rollout.calls_per_actor=0"], "rollout.calls_per_actor"),
         (
+            ["sync.fixed_lag=true", "run.eval_every=5"],
+            "run.eval_every must be 0 with sync.fixed_lag = true (got 5)",
+        ),
+        (
             ["sync.fixed_lag=true", "rollout.calls_per_actor=2"],
             "rollout.calls_per_actor must be 1 with sync.fixed_lag = true (got 2)",
         ),
