@@ -99,7 +99,33 @@ def open_run_dir(cfg: RunConfig, resume_mode: str, overwrite: bool) -> Services:
     if moved_to is not None:
         progress.say(f"moved the previous run aside to {moved_to}")
     progress.say(describe_start(plan, lineage))
+    if plan.checkpoint is None:
+        say_expected_time(cfg, progress)
     return Services(run_dir, plan, RecordWriter(run_dir, lineage), progress)
+
+
+def say_expected_time(cfg: RunConfig, progress: Any) -> None:
+    """Print the run's expected wall time on this CPU (:mod:`services.estimate`) when the
+    learner runs on the CPU and the run starts fresh; a failure to estimate is logged, never
+    raised (the estimate must not stop a run)."""
+    if cfg.ray.learner_gpus > 0:
+        return
+    try:
+        from transformers import AutoConfig
+
+        from actors.hardware import resolve_dtype
+        from learner.memory_plan import ModelShape
+        from services import estimate
+        from services.loop.warm_start_cache import WarmStartCache, warm_start_key
+
+        dtype = resolve_dtype(cfg.learner.dtype, "cpu").name
+        kept = cfg.sft.cache and WarmStartCache().lookup(warm_start_key(cfg, dtype)) is not None
+        params = ModelShape.from_config(AutoConfig.from_pretrained(cfg.model.path)).policy
+        tflops = estimate.matmul_tflops(dtype, cfg.ray.learner_threads)
+        phases = estimate.expected_phases(cfg, params, tflops, bool(kept), dtype)
+        progress.say(estimate.render(phases, dtype, tflops))
+    except Exception as e:
+        log.warning("no time estimate: %s: %s", type(e).__name__, e)
 
 
 def preflight(cfg: RunConfig) -> None:

@@ -543,6 +543,7 @@ def test_a_kept_warm_start_is_loaded_by_the_next_run_instead_of_trained(
     its own algorithm, and trains."""
     import services.loop.warm_start_cache as warm_start_cache
     from services.driver import Driver
+    from services.estimate import WARM_START_LOAD_S
 
     monkeypatch.setattr(warm_start_cache, "CACHE_ROOT", tmp_path / "cache")
     extra = {
@@ -557,7 +558,10 @@ def test_a_kept_warm_start_is_loaded_by_the_next_run_instead_of_trained(
     entries = [p for p in (tmp_path / "cache" / "warm_start").iterdir()]
     assert len(entries) == 1 and (entries[0] / "learner" / "learner_state.json").is_file()
     said = capfd.readouterr()
-    assert "warm start kept in" in " ".join((said.out + said.err).split())  # lines wrap
+    out = " ".join((said.out + said.err).split())  # lines wrap
+    assert "warm start kept in" in out
+    # the expected time at the start: the warm start trained (2 SFT steps), then kept
+    assert "expected on this CPU (" in out and "warm start " in out and "(2 SFT steps)" in out
 
     second = tiny_run_config(  # its own RL learning rate: the same key, set after loading
         tmp_path / "second", tiny_llama_dir, **extra,
@@ -571,6 +575,7 @@ def test_a_kept_warm_start_is_loaded_by_the_next_run_instead_of_trained(
     said = capfd.readouterr()
     out = " ".join((said.out + said.err).split())
     assert "warm start: loading the one kept in" in out
+    assert f"warm start {round(WARM_START_LOAD_S)} s (kept)" in out
     assert "building demonstrations" not in out and "[warm start] step" not in out
     (step,) = read_jsonl(second.run_dir / "steps.jsonl")
     assert step["variant"] == "ppo"  # the run's own algorithm, not the cached one's
