@@ -1,5 +1,5 @@
 # The two commands a newcomer runs (see README):
-#   make run    set everything up, then train SmolLM2-135M with ST-PPO on CPU (embedded default)
+#   make run    set everything up, then train SmolLM2-135M with SO-GRPO (ST-PPO family) on CPU (embedded default)
 #   make test   set everything up, then run the whole test suite
 .PHONY: run test test-avx2 test-faults setup lint docs mutation
 

@@ -23,7 +23,7 @@ def test_a_kept_warm_start_is_loaded_not_trained(demo):
     kept = by_name(estimate.expected_phases(demo, PARAMS, 0.3, warm_start_kept=True))
     trained = by_name(estimate.expected_phases(demo, PARAMS, 0.3, warm_start_kept=False))
     assert kept["warm start"] == estimate.WARM_START_LOAD_S
-    assert trained["warm start"] > 5 * kept["warm start"]
+    assert trained["warm start"] > 3 * kept["warm start"]  # 6 SFT steps at 0.3 TFLOP/s
     assert {k: v for k, v in kept.items() if k != "warm start"} == {
         k: v for k, v in trained.items() if k != "warm start"
     }
