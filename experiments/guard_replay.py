@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import tempfile
 from collections.abc import Sequence
@@ -145,6 +146,53 @@ def replay_steps(
     return first_act, first_warn, rule
 
 
+@dataclass
+class ArchivedRun:
+    """One archived run as read back (:func:`read_archive`)."""
+
+    name: str
+    run: arena.ArenaRun
+    """Its records as :func:`experiments.arena.read_run` reads them (``wall_s`` from the
+    archived modification times)."""
+    steps: list[dict[str, Any]]
+    """Its ``steps.jsonl`` records."""
+    config: dict[str, Any]
+    """Its ``config.json`` as archived."""
+
+
+def read_archive(archive_dir: Path = DEFAULT_ARCHIVE) -> list[ArchivedRun]:
+    """Every archived run of ``archive_dir`` (``*.json.gz``), in file-name order, read back
+    through a temporary run directory (:func:`experiments.archive.read_archived_run`).
+
+    Raises:
+        ValueError: an unreadable archive file.
+        FileNotFoundError: no archived run in ``archive_dir``.
+    """
+    paths = sorted(Path(archive_dir).glob("*.json.gz"))
+    if not paths:
+        raise FileNotFoundError(f"{archive_dir}: no archived run (*.json.gz)")
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in paths:
+            record = read_archived_run(path)
+            run_dir = Path(tmp) / record["run"]
+            run_dir.mkdir()
+            for name, text in record["files"].items():
+                (run_dir / name).write_text(text)
+            for name, mtime in record.get("mtimes", {}).items():
+                os.utime(run_dir / name, (mtime, mtime))
+            steps = [
+                json.loads(line)
+                for line in record["files"]["steps.jsonl"].splitlines()
+                if line.strip()
+            ]
+            run = arena.read_run(run_dir, CollapseRule())
+            out.append(
+                ArchivedRun(record["run"], run, steps, json.loads(record["files"]["config.json"]))
+            )
+    return out
+
+
 def replay_archive(
     archive_dir: Path = DEFAULT_ARCHIVE, guard_changes: dict[str, Any] | None = None
 ) -> list[ReplayRun]:
@@ -159,25 +207,8 @@ def replay_archive(
             (:class:`services.config.ConfigError`).
         FileNotFoundError: no archived run in ``archive_dir``.
     """
-    paths = sorted(Path(archive_dir).glob("*.json.gz"))
-    if not paths:
-        raise FileNotFoundError(f"{archive_dir}: no archived run (*.json.gz)")
-    read = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for path in paths:
-            record = read_archived_run(path)
-            run_dir = Path(tmp) / record["run"]
-            run_dir.mkdir()
-            for name, text in record["files"].items():
-                (run_dir / name).write_text(text)
-            run = arena.read_run(run_dir, CollapseRule())
-            steps = [
-                json.loads(line)
-                for line in record["files"]["steps.jsonl"].splitlines()
-                if line.strip()
-            ]
-            cfg = _run_config(json.loads(record["files"]["config.json"]), guard_changes or {})
-            read.append((record["run"], run, steps, cfg))
+    archived = read_archive(archive_dir)
+    read = [(a.name, a.run, a.steps, _run_config(a.config, guard_changes or {})) for a in archived]
     low = arena.low_threshold([r for _, r, _, _ in read])
     out = []
     for name, run, steps, cfg in read:
