@@ -758,7 +758,9 @@ def run_experiment(
         done.update(run.name for _, run in todo)
         on_finished = archive.add if archive is not None else None
         _run_all(todo, cap_s, spec.parallel_runs, start, on_finished)
-    result = summarize_experiment(name, output_dir, extra_overrides, experiments_dir, cap_s)
+    result = summarize_experiment(
+        name, output_dir, extra_overrides, experiments_dir, cap_s, use_archive=use_archive
+    )
     result.wall_s = time.perf_counter() - start
     return result
 

@@ -346,3 +346,29 @@ def test_a_fresh_summary_restores_both_stages_of_a_grid_with_more_seeds(tmp_path
 
     result = summarize_experiment("tiny", tmp_path / "fresh", experiments_dir=experiments)
     assert sorted(s.seed for s in result.summaries) == [0, 1, 2]
+
+
+def test_a_grid_run_without_the_archive_summarises_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """``run_experiment(use_archive=False)``: its summary does not restore the archived runs
+    either (they would overwrite the grid's own runs of the same name)."""
+    from tiny_experiment import write_experiment
+
+    import experiments.grid as grid
+
+    experiments = tmp_path / "experiments"
+    write_experiment(
+        experiments,
+        "tiny",
+        {"seeds": [0], "num_steps": 2, "archive_dir": str(tmp_path / "archive")},
+        {"grid": {"method": ["a"], "buffer.max_staleness": [4]},
+         "methods.a": {"algorithm.variant": "ppo"}},
+    )  # fmt: skip
+    name = "method-a_max_staleness-4_seed-0"
+    run_archive.archive_run(make_run(tmp_path / "elsewhere" / name), tmp_path / "archive", None)
+    monkeypatch.setattr(grid, "_run_all", lambda *args, **kwargs: None)  # no training here
+    result = grid.run_experiment(
+        "tiny", tmp_path / "out", experiments_dir=experiments, use_archive=False
+    )
+    assert result.summaries == [] and not (tmp_path / "out" / "tiny" / name).exists()
