@@ -253,10 +253,10 @@ def test_dry_run_counts_the_archived_runs(tmp_path: Path, monkeypatch: pytest.Mo
     assert result.exit_code == 0 and "archive " not in result.output
 
 
-def test_summary_restores_archived_runs_unless_told_not_to(tmp_path: Path):
+def archived_tiny_grid(tmp_path: Path) -> tuple[Path, str]:
+    """A one-run grid ``tiny`` (under ``tmp_path/experiments``) whose only run is already in
+    its archive (``tmp_path/archive``); returns (the experiments folder, the run's name)."""
     from tiny_experiment import write_experiment
-
-    from experiments.grid import summarize_experiment
 
     experiments = tmp_path / "experiments"
     write_experiment(
@@ -268,6 +268,13 @@ def test_summary_restores_archived_runs_unless_told_not_to(tmp_path: Path):
     )  # fmt: skip
     name = "method-a_max_staleness-4_seed-0"
     run_archive.archive_run(make_run(tmp_path / "elsewhere" / name), tmp_path / "archive", None)
+    return experiments, name
+
+
+def test_summary_restores_archived_runs_unless_told_not_to(tmp_path: Path):
+    from experiments.grid import summarize_experiment
+
+    experiments, name = archived_tiny_grid(tmp_path)
 
     alone = summarize_experiment("tiny", tmp_path / "out", experiments_dir=experiments,
                                  use_archive=False)  # fmt: skip
@@ -353,20 +360,9 @@ def test_a_grid_run_without_the_archive_summarises_without_it(
 ):
     """``run_experiment(use_archive=False)``: its summary does not restore the archived runs
     either (they would overwrite the grid's own runs of the same name)."""
-    from tiny_experiment import write_experiment
-
     import experiments.grid as grid
 
-    experiments = tmp_path / "experiments"
-    write_experiment(
-        experiments,
-        "tiny",
-        {"seeds": [0], "num_steps": 2, "archive_dir": str(tmp_path / "archive")},
-        {"grid": {"method": ["a"], "buffer.max_staleness": [4]},
-         "methods.a": {"algorithm.variant": "ppo"}},
-    )  # fmt: skip
-    name = "method-a_max_staleness-4_seed-0"
-    run_archive.archive_run(make_run(tmp_path / "elsewhere" / name), tmp_path / "archive", None)
+    experiments, name = archived_tiny_grid(tmp_path)
     monkeypatch.setattr(grid, "_run_all", lambda *args, **kwargs: None)  # no training here
     result = grid.run_experiment(
         "tiny", tmp_path / "out", experiments_dir=experiments, use_archive=False
