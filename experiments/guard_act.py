@@ -36,7 +36,17 @@ Usage::
     python -m experiments.guard_act run --method ppo_decoupled --staleness 16 --seed 0 \\
         --output-dir /tmp/guard_act
     python -m experiments.guard_act report --output-dir /tmp/guard_act \\
-        --json docs/results/guard_act.json
+        --json docs/results/guard_act.json --figure docs/results/guard_act.png
+
+Longer runs than the grid's have no archived run to compare with: run the same cells
+twice, once with the guard acting and once with it only warning, and compare the two::
+
+    python -m experiments.guard_act run --method ppo_behavior --staleness 16 --seed 0 \\
+        --num-steps 80 --output-dir /tmp/guard_80/act
+    python -m experiments.guard_act run --method ppo_behavior --staleness 16 --seed 0 \\
+        --num-steps 80 --set 'guard.mode="warn"' --output-dir /tmp/guard_80/warn
+    python -m experiments.guard_act report --output-dir /tmp/guard_80/act \\
+        --against /tmp/guard_80/warn --json docs/results/guard_act_80.json
 """
 
 from __future__ import annotations
@@ -104,17 +114,23 @@ def plan_cell(
     output_dir: Path,
     overrides: Sequence[str] = ACT_OVERRIDES,
     experiment: str = EXPERIMENT,
+    num_steps: int | None = None,
 ) -> tuple[ExperimentSpec, list[PlannedRun]]:
     """The grid's runs of cell (``method``, ``buffer.max_staleness = staleness``) for
     ``seeds``, planned as the grid plans them (its base config, overrides, method and
-    shared warm start) into ``output_dir``, with ``overrides`` last.
+    shared warm start) into ``output_dir``, with ``overrides`` last; ``num_steps``
+    replaces the grid's learner steps (the grid sets ``run.num_steps`` itself, over any
+    override).
 
     Raises:
         services.config.ConfigError: an override does not validate.
         ValueError: the grid has no such cell.
     """
     spec = load_experiment(experiment_path(experiment))
-    spec = spec.model_copy(update={"seeds": list(seeds), "more_seeds": None})
+    update: dict[str, Any] = {"seeds": list(seeds), "more_seeds": None}
+    if num_steps is not None:
+        update["num_steps"] = num_steps
+    spec = spec.model_copy(update=update)
     planned = plan_runs(spec, experiment, output_dir, list(overrides), more_seeds=False)
     chosen = select_runs(
         planned, {"method": [method], "buffer.max_staleness": [staleness], "seed": list(seeds)}
@@ -316,6 +332,9 @@ class ActRun:
     archived_loop_s: float
     replay_first_act: int | None
     """The offline replay's first act step on the archived run."""
+    malformed_curve: list[float] = field(default_factory=list)
+    """The kept lineage's training malformed share per step (the figure)."""
+    archived_malformed_curve: list[float] = field(default_factory=list)
 
     @property
     def fell(self) -> bool:
@@ -403,7 +422,8 @@ def read_act_run(run_dir: Path, low: float, archived: ArchivedRun | None) -> Act
         ),
         archived_wall_s=archived.run.wall_s if archived else nan,
         archived_loop_s=float(archived.steps[-1].get("elapsed_s", nan)) if archived else nan,
-        replay_first_act=replay_act,
+        replay_first_act=replay_act, malformed_curve=list(run.malformed_curve),
+        archived_malformed_curve=list(archived.run.malformed_curve) if archived else [],
     )  # fmt: skip
 
 
@@ -429,22 +449,62 @@ def summarize_cell(runs: Sequence[ActRun], archived: Sequence[ArchivedRun], low:
     )  # fmt: skip
 
 
-def compare(
-    output_dir: Path, archive_dir: Path = DEFAULT_ARCHIVE, experiment: str = EXPERIMENT
-) -> tuple[list[ActCell], list[ActRun], float]:
-    """Every finished re-run under ``output_dir/<experiment>`` against ``archive_dir``;
-    returns the cells, the runs (by staleness, method, seed) and the ended-low threshold.
+def finished_runs(output_dir: Path, experiment: str = EXPERIMENT) -> list[Path]:
+    """The finished runs ``guard_act run`` wrote under ``output_dir/<experiment>`` (those
+    with :data:`RUN_NOTE`), by name; empty when there are none."""
+    root = Path(output_dir) / experiment
+    if not root.is_dir():
+        return []
+    return sorted(
+        d for d in root.iterdir()
+        if d.is_dir() and (d / RUN_NOTE).exists() and run_archive.is_finished(d)
+    )  # fmt: skip
+
+
+def read_control_runs(control_dir: Path, experiment: str = EXPERIMENT) -> list[ArchivedRun]:
+    """The finished runs of ``control_dir`` (:func:`finished_runs`; the same cells and
+    seeds run without the guard acting, ``--set 'guard.mode="warn"'``) read as
+    :func:`experiments.guard_replay.read_archive` reads archived runs, to compare re-runs
+    with where the archive has no such runs (longer runs than the grid's).
 
     Raises:
-        FileNotFoundError: no finished re-run, or no archived run.
+        FileNotFoundError: ``control_dir`` has no finished run.
+    """
+    dirs = finished_runs(control_dir, experiment)
+    if not dirs:
+        raise FileNotFoundError(f"{control_dir}/{experiment}: no finished run ({RUN_NOTE})")
+    return [
+        ArchivedRun(
+            d.name,
+            arena.read_run(d, CollapseRule()),
+            read_records(d / "steps.jsonl", "step"),
+            json.loads((d / "config.json").read_text()),
+        )
+        for d in dirs
+    ]
+
+
+def compare(
+    output_dir: Path,
+    archive_dir: Path = DEFAULT_ARCHIVE,
+    experiment: str = EXPERIMENT,
+    control_dir: Path | None = None,
+) -> tuple[list[ActCell], list[ActRun], float]:
+    """Every finished re-run under ``output_dir/<experiment>`` against the runs without the
+    guard: ``archive_dir``'s, or ``control_dir``'s (:func:`read_control_runs`; the
+    ``archived_*`` fields then hold those). The ended-low threshold always comes from the
+    archive's on-policy runs. Returns the cells, the runs (by staleness, method, seed) and
+    that threshold.
+
+    Raises:
+        FileNotFoundError: no finished re-run, no archived run, or no control run.
     """
     archived = read_archive(archive_dir)
     low = arena.low_threshold([a.run for a in archived])
+    if control_dir is not None:
+        archived = read_control_runs(control_dir, experiment)
     by_name = {a.name: a for a in archived}
-    dirs = sorted(
-        d for d in (Path(output_dir) / experiment).iterdir()
-        if d.is_dir() and (d / RUN_NOTE).exists() and run_archive.is_finished(d)
-    )  # fmt: skip
+    dirs = finished_runs(output_dir, experiment)
     if not dirs:
         raise FileNotFoundError(f"{output_dir}/{experiment}: no finished re-run ({RUN_NOTE})")
     runs = [read_act_run(d, low, by_name.get(d.name)) for d in dirs]
@@ -479,13 +539,18 @@ def action_text(a: dict[str, Any]) -> str:
     return text + (f", no rollback: {a['rollback_reason']}" if a["rollback_reason"] else "")
 
 
-def markdown(cells: Sequence[ActCell], runs: Sequence[ActRun], low: float) -> str:
-    """The per-run and per-cell tables (the page's words are written by hand around them)."""
+def markdown(
+    cells: Sequence[ActCell], runs: Sequence[ActRun], low: float, without: str = "archived"
+) -> str:
+    """The per-run and per-cell tables (the page's words are written by hand around them);
+    ``without`` names the runs without the guard in the headers (``"archived"``, or
+    ``"without"`` for control runs)."""
+    w = without
     lines = [
-        "| method | staleness | seed | final success (archived) | ended low (archived) | "
-        "degrading (archived) | guard actions: step, action, rollback to | warnings | "
-        "stopped at | steps redone | rollback time (s) | wall (s) (archived) | "
-        "same as archived until step |",
+        f"| method | staleness | seed | final success ({w}) | ended low ({w}) | "
+        f"degrading ({w}) | guard actions: step, action, rollback to | warnings | "
+        f"stopped at | steps redone | rollback time (s) | wall (s) ({w}) | "
+        f"same as {w} until step |",
         "|---|---:|---:|---|---|---|---|---:|---:|---:|---:|---|---:|",
     ]
     for r in runs:
@@ -500,9 +565,9 @@ def markdown(cells: Sequence[ActCell], runs: Sequence[ActRun], low: float) -> st
         )
     lines += [
         "",
-        "| method | staleness | runs with the guard | ended low | fell | archived runs | "
+        f"| method | staleness | runs with the guard | ended low | fell | {w} runs | "
         "ended low | fell | Fisher p, ended low | Fisher p, fell | acted on | rollbacks | "
-        "stopped | mean wall (s) | archived mean wall (s) | mean rollback cost (s) |",
+        f"stopped | mean wall (s) | {w} mean wall (s) | mean rollback cost (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
@@ -527,23 +592,81 @@ def markdown(cells: Sequence[ActCell], runs: Sequence[ActRun], low: float) -> st
 
 
 def write_report(
-    output_dir: Path, json_path: Path, archive_dir: Path = DEFAULT_ARCHIVE
+    output_dir: Path,
+    json_path: Path,
+    archive_dir: Path = DEFAULT_ARCHIVE,
+    control_dir: Path | None = None,
+    figure: Path | None = None,
 ) -> tuple[Path, str]:
-    """:func:`compare`, written to ``json_path``; returns it and the tables
-    (:func:`markdown`)."""
-    cells, runs, low = compare(output_dir, archive_dir)
+    """:func:`compare` (against ``control_dir``'s runs when given), written to
+    ``json_path`` and, when ``figure`` is given, drawn there (:func:`plot_malformed`);
+    returns the JSON's path and the tables (:func:`markdown`)."""
+    cells, runs, low = compare(output_dir, archive_dir, control_dir=control_dir)
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
+    without = "archived" if control_dir is None else "without"
+    if figure is not None:
+        plot_malformed(runs, Path(figure), without)
     payload = {
         "experiment": EXPERIMENT,
         "archive_dir": str(archive_dir),
+        "compared_with": "archive" if control_dir is None else str(control_dir),
         "overrides": list(ACT_OVERRIDES),
         "ended_low_below": low,
         "cells": [asdict(c) for c in cells],
         "runs": [{**asdict(r), "fell": r.fell, "archived_fell": r.archived_fell} for r in runs],
     }
     json_path.write_text(json.dumps(arena.json_safe(payload), indent=1) + "\n")
-    return json_path, markdown(cells, runs, low)
+    return json_path, markdown(cells, runs, low, without)
+
+
+def plot_malformed(runs: Sequence[ActRun], path: Path, without: str = "archived") -> Path:
+    """One panel per cell: each seed's training malformed share per learner step (moving
+    average over 3 steps, the guard's window) with the guard acting (solid, the kept
+    lineage, an x at each action) and without it (dashed), and the act rule's bound (0.5)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cells = list(dict.fromkeys((r.method, r.staleness) for r in runs))
+    cols = min(3, len(cells))
+    rows = -(-len(cells) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.1 * rows), squeeze=False)
+
+    def smooth(curve: Sequence[float]) -> Any:
+        c = np.nan_to_num(np.asarray(curve, dtype=float))
+        return np.convolve(c, np.ones(3) / 3, "valid") if len(c) >= 3 else c
+
+    for i, (method, staleness) in enumerate(cells):
+        ax = axes[i // cols][i % cols]
+        for r in (r for r in runs if (r.method, r.staleness) == (method, staleness)):
+            color = plt.get_cmap("tab10")(r.seed % 10)
+            if r.archived_malformed_curve:
+                y = smooth(r.archived_malformed_curve)
+                ax.plot(np.arange(len(y)) + 3, y, color=color, ls="--", lw=1.0, alpha=0.7)
+            y = smooth(r.malformed_curve)
+            ax.plot(np.arange(len(y)) + 3, y, color=color, lw=1.6, label=f"seed {r.seed}")
+            for a in r.actions:
+                k = min(max(int(a["step"]) - 3, 0), len(y) - 1)
+                if len(y):
+                    ax.plot(int(a["step"]), y[k], "x", color=color, ms=8, mew=2)
+        ax.axhline(0.5, color="gray", lw=0.8, ls=":")
+        ax.set_title(f"{method}, staleness {staleness}", fontsize=10)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=9)
+        ax.set_xlabel("learner step", fontsize=9)
+        ax.set_ylabel("malformed share", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+    for j in range(len(cells), rows * cols):
+        axes[j // cols][j % cols].set_visible(False)
+    fig.suptitle(f"solid: guard acting (x: an action); dashed: {without}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -558,24 +681,37 @@ def main(argv: Sequence[str] | None = None) -> None:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="more overrides, after the default ones (repeatable)")  # fmt: skip
     run.add_argument("--max-run-s", type=float, default=0.0, help="time cap per run (0: none)")
+    run.add_argument("--num-steps", type=int, default=None,
+                     help="learner steps per run (default: the grid's)")  # fmt: skip
     report = sub.add_parser("report", help="compare the finished re-runs with the archive")
     report.add_argument("--output-dir", type=Path, required=True)
     report.add_argument("--archive", type=Path, default=DEFAULT_ARCHIVE)
     report.add_argument("--json", type=Path, required=True, help="where the comparison goes")
     report.add_argument("--tables", type=Path, default=None, help="also write the tables here")
+    report.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="compare with the finished runs of this output directory (run "
+        "without the guard acting) instead of the archive",
+    )
+    report.add_argument("--figure", type=Path, default=None, help="draw the malformed shares here")
     args = parser.parse_args(argv)
     if args.command == "run":
         overrides = [*ACT_OVERRIDES, *args.set]
         spec, planned = plan_cell(
-            args.method, args.staleness, args.seed, args.output_dir, overrides
-        )
+            args.method, args.staleness, args.seed, args.output_dir, overrides,
+            num_steps=args.num_steps,
+        )  # fmt: skip
         restore_warm_start(spec, args.output_dir)
         for p in planned:
             print(f"[guard_act] {p.name}: {p.config.run_dir}", flush=True)
             note = run_one(p, overrides, args.max_run_s)
             print(f"[guard_act] {p.name}: {note}", flush=True)
         return
-    js, tables = write_report(args.output_dir, args.json, args.archive)
+    js, tables = write_report(
+        args.output_dir, args.json, args.archive, control_dir=args.against, figure=args.figure
+    )
     if args.tables is not None:
         args.tables.write_text(tables)
     print(tables)

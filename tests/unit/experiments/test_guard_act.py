@@ -5,23 +5,30 @@ runs themselves are not run here."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 
+from experiments.archive import read_archived_run
 from experiments.guard_act import (
     ACT_OVERRIDES,
+    RUN_NOTE,
     action_text,
     chronological,
+    finished_runs,
     first_difference,
     first_lineage,
     fisher,
     guard_actions,
     plan_cell,
+    read_control_runs,
     refill_seconds,
     rollback_seconds,
+    write_report,
 )
+from experiments.guard_replay import DEFAULT_ARCHIVE
 
 
 def test_plan_cell_is_the_grids_run_with_the_guard_acting(tmp_path: Path):
@@ -38,6 +45,9 @@ def test_plan_cell_is_the_grids_run_with_the_guard_acting(tmp_path: Path):
     assert cfg.guard.mode == "act" and cfg.guard.rollback and cfg.checkpoint.every_k_steps == 5
     with pytest.raises(ValueError, match="no cell"):
         plan_cell("ppo_decoupled", 3, [0], tmp_path)
+    # longer runs: the grid sets run.num_steps itself, so an override of it would not hold
+    _, (longer,) = plan_cell("ppo_decoupled", 16, [0], tmp_path, num_steps=80)
+    assert longer.config.run.num_steps == 80 and longer.config.model.path == cfg.model.path
 
 
 def test_guard_actions_keep_the_acts_with_their_rollbacks():
@@ -95,3 +105,48 @@ def test_fisher_two_sided():
     assert fisher(0, 5, 5, 5) == pytest.approx(2 / 252, rel=1e-12)
     assert fisher(0, 3, 0, 10) == 1.0
     assert math.isnan(fisher(0, 0, 1, 5))
+
+
+def _write_run(root: Path, archived: Path, guard: list[dict] | None = None) -> Path:
+    """An archived run's files written back as a finished ``guard_act run`` directory."""
+    record = read_archived_run(archived)
+    run_dir = root / "arena" / record["run"]
+    run_dir.mkdir(parents=True)
+    for name, text in record["files"].items():
+        (run_dir / name).write_text(text)
+    (run_dir / "guard.jsonl").write_text("".join(json.dumps(g) + "\n" for g in guard or []))
+    (run_dir / RUN_NOTE).write_text(json.dumps({"overrides": [], "guard_stopped_at": None}))
+    return run_dir
+
+
+def test_report_against_control_runs_instead_of_the_archive(tmp_path: Path):
+    # the same archived run as the run with the guard and as its control run: the control
+    # (not the cell's five archived runs) is what the run is set beside
+    archived = DEFAULT_ARCHIVE / "method-ppo_decoupled_max_staleness-16_seed-0.json.gz"
+    act = {"step": 22, "level": "act", "rule": "r", "action": "lower_staleness",
+           "before": {"buffer.max_staleness": 16}, "after": {"buffer.max_staleness": 4},
+           "rollback": {"from_step": 22, "signal_began": 20, "to_step": 20, "reason": ""}}  # fmt: skip
+    _write_run(tmp_path / "act", archived, [act])
+    _write_run(tmp_path / "warn", archived)
+    assert [d.name for d in finished_runs(tmp_path / "act")] == [
+        "method-ppo_decoupled_max_staleness-16_seed-0"
+    ]
+    assert finished_runs(tmp_path / "none") == []
+    with pytest.raises(FileNotFoundError, match="no finished run"):
+        read_control_runs(tmp_path / "none")
+    figure = tmp_path / "guard.png"
+    js, tables = write_report(
+        tmp_path / "act", tmp_path / "cmp.json", control_dir=tmp_path / "warn", figure=figure
+    )
+    report = json.loads(js.read_text())
+    (cell,) = report["cells"]
+    assert cell["archived_runs"] == 1 and cell["runs"] == 1 and cell["acted_on"] == 1
+    (run,) = report["runs"]
+    assert run["val_success"] == run["archived_val_success"]
+    assert run["same_as_archive_until"] == 40 and len(run["malformed_curve"]) == 40
+    assert report["compared_with"] == str(tmp_path / "warn")
+    assert "final success (without)" in tables and "22 lower_staleness (16->4)" in tables
+    assert figure.stat().st_size > 10_000
+    # against the archive: every archived run of the cell
+    _, tables = write_report(tmp_path / "act", tmp_path / "cmp2.json")
+    assert "| ppo_decoupled | 16 | 1 | 1 | 1 | 5 | 5 | 5 |" in tables
