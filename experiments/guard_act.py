@@ -370,6 +370,24 @@ class ActCell:
     """Mean over the re-runs of ``redone_s + rollback_s + refill_s``: what the rollbacks
     cost."""
     seeds: list[int] = field(default_factory=list)
+    val_success_mean: float = math.nan
+    archived_val_success_mean: float = math.nan
+    lower: list[LowerStaleness] = field(default_factory=list)
+    """The archive's runs of the same method at each lower staleness (above 0): what
+    running there from the start gave, to set beside the guard's tightening."""
+
+
+@dataclass
+class LowerStaleness:
+    """A method's archived runs at one staleness below the re-run cell's, against the
+    re-runs with the guard (:attr:`ActCell.lower`)."""
+
+    staleness: int
+    runs: int
+    ended_low: int
+    val_success_mean: float
+    fisher_p_ended_low: float
+    """The re-runs' ended-low count against these runs'."""
 
 
 def _sum(values: Sequence[float]) -> float:
@@ -445,8 +463,26 @@ def summarize_cell(runs: Sequence[ActRun], archived: Sequence[ArchivedRun], low:
         wall_s_mean=_mean([r.wall_s for r in runs]),
         archived_wall_s_mean=_mean([a.run.wall_s for a in archived]),
         extra_s_mean=_mean([r.redone_s + r.rollback_s + r.refill_s for r in runs]),
-        seeds=[r.seed for r in runs],
+        seeds=[r.seed for r in runs], val_success_mean=_mean([r.val_success for r in runs]),
+        archived_val_success_mean=_mean([a.run.val_success for a in archived]),
     )  # fmt: skip
+
+
+def lower_staleness(
+    cell: ActCell, archived: Sequence[ArchivedRun], low: float
+) -> list[LowerStaleness]:
+    """:attr:`ActCell.lower` of ``cell`` from every archived run (``archived``)."""
+    out = []
+    levels = sorted({a.run.staleness for a in archived if a.run.method == cell.method})
+    for s in (s for s in levels if 0 < s < cell.staleness):
+        theirs = [a.run for a in archived if (a.run.method, a.run.staleness) == (cell.method, s)]
+        n_low = sum(r.val_success < low for r in theirs)
+        out.append(LowerStaleness(
+            staleness=s, runs=len(theirs), ended_low=n_low,
+            val_success_mean=_mean([r.val_success for r in theirs]),
+            fisher_p_ended_low=fisher(cell.ended_low, cell.runs, n_low, len(theirs)),
+        ))  # fmt: skip
+    return out
 
 
 def finished_runs(output_dir: Path, experiment: str = EXPERIMENT) -> list[Path]:
@@ -499,7 +535,7 @@ def compare(
     Raises:
         FileNotFoundError: no finished re-run, no archived run, or no control run.
     """
-    archived = read_archive(archive_dir)
+    archive = archived = read_archive(archive_dir)
     low = arena.low_threshold([a.run for a in archived])
     if control_dir is not None:
         archived = read_control_runs(control_dir, experiment)
@@ -513,7 +549,9 @@ def compare(
     for key in dict.fromkeys((r.method, r.staleness) for r in runs):
         mine = [r for r in runs if (r.method, r.staleness) == key]
         theirs = [a for a in archived if (a.run.method, a.run.staleness) == key]
-        cells.append(summarize_cell(mine, theirs, low))
+        cell = summarize_cell(mine, theirs, low)
+        cell.lower = lower_staleness(cell, archive, low)
+        cells.append(cell)
     return cells, runs, low
 
 
@@ -577,6 +615,23 @@ def markdown(
             f"{_f(c.fisher_p_ended_low, 3)} | {_f(c.fisher_p_fell, 3)} | {c.acted_on} | "
             f"{c.rollbacks} | {c.stopped} | {_f(c.wall_s_mean, 0)} | "
             f"{_f(c.archived_wall_s_mean, 0)} | {_f(c.extra_s_mean, 0)} |"
+        )
+    lines += [
+        "",
+        "| method | staleness | with the guard: ended low of runs, mean final success | "
+        "archived at a lower staleness from the start: staleness, ended low of runs, mean "
+        "final success, Fisher p (ended low) |",
+        "|---|---:|---|---|",
+    ]
+    for c in cells:
+        lower = "; ".join(
+            f"{x.staleness}: {x.ended_low} of {x.runs}, {_f(x.val_success_mean)}, "
+            f"p = {_f(x.fisher_p_ended_low)}"
+            for x in c.lower
+        )
+        lines.append(
+            f"| {c.method} | {c.staleness} | {c.ended_low} of {c.runs}, "
+            f"{_f(c.val_success_mean)} | {lower or '-'} |"
         )
     lines += [
         "",

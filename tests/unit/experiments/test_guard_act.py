@@ -150,3 +150,5 @@ def test_report_against_control_runs_instead_of_the_archive(tmp_path: Path):
     # against the archive: every archived run of the cell
     _, tables = write_report(tmp_path / "act", tmp_path / "cmp2.json")
     assert "| ppo_decoupled | 16 | 1 | 1 | 1 | 5 | 5 | 5 |" in tables
+    # beside the method's archived runs at each lower staleness (the arena ran it at 4 only)
+    assert "| ppo_decoupled | 16 | 1 of 1, 0.000 | 4: 2 of 10, 0.245, p = 0.273 |" in tables
