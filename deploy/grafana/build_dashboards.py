@@ -27,6 +27,8 @@ from pathlib import Path
 OUT_DIR = Path(__file__).resolve().parent / "dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
+RETRIEVE = 'endpoint="/retrieve"'
+"""The retrieval endpoint the actors call (the error ratio leaves out health checks)."""
 
 
 @dataclass(frozen=True)
@@ -251,11 +253,13 @@ RETRIEVAL = [
         unit="reqps",
     ),
     Panel(
-        "Error ratio (4xx + 5xx)",
+        "Error ratio of /retrieve (4xx + 5xx)",
         (
             q(
-                f'sum(rate(stppo_retrieval_requests_total{{status=~"[45].."}}[{RATE}])) / '
-                f"sum(rate(stppo_retrieval_requests_total[{RATE}]))",
+                # what the actors see (a loading server's 503s to /healthz are not errors);
+                # no 4xx/5xx series until the first error: 0 then, not "No data"
+                f'(sum(rate(stppo_retrieval_requests_total{{{RETRIEVE},status=~"[45].."}}[{RATE}]))'
+                f" or vector(0)) / sum(rate(stppo_retrieval_requests_total{{{RETRIEVE}}}[{RATE}]))",
                 "errors / requests",
             ),
         ),

@@ -188,6 +188,16 @@ def check_panels(api: str, at: float, run_name: str, deadline: float) -> None:
         assert values == expected[label], (selector, label, values)
 
 
+def first_found(api: str, expr: str, deadline: float) -> float:
+    """The time of the first evaluation of ``expr`` (polled every scrape) that finds series."""
+    while time.monotonic() < deadline:
+        now = time.time()
+        if _api(api, "/api/v1/query", {"query": expr, "time": now}, deadline)["result"]:
+            return now
+        time.sleep(SCRAPE_INTERVAL_S)
+    raise AssertionError(f"{expr}: no series within {WAIT_S} s")
+
+
 def last_moment_up(api: str, since: float, deadline: float) -> float:
     """The last evaluation time at which both targets were up, once the driver's endpoint
     (closed with the run) has been found gone by a scrape."""
@@ -248,6 +258,23 @@ def test_every_panel_query_finds_series_of_a_real_run(tmp_path: Path, tiny_llama
             timeout=60,
         )
         assert good.status_code == 200, good.text
+        # a healthy server (requests answered, no error yet) shows an error ratio of 0, not
+        # "No data": the 4xx/5xx series of /retrieve do not exist before its first error
+        # (first_found: the counters exist once scraped; a second request raises their rate)
+        deadline = time.monotonic() + WAIT_S
+        retrieve = 'stppo_retrieval_requests_total{endpoint="/retrieve"}'
+        first_found(api, retrieve, deadline)
+        again = httpx.post(
+            f"{services.retrieval_url}/retrieve",
+            json={"queries": ["who wrote hamlet"], "topk": 1},
+            timeout=60,
+        )
+        assert again.status_code == 200, again.text
+        rate = f"sum(rate({retrieve}[{MACROS['$__rate_interval']}])) > 0"
+        healthy = first_found(api, rate, deadline)
+        (ratio,) = [q for q in dashboard_queries() if q.panel.startswith("Error ratio")]
+        found = _find(api, healthy, deadline)(substitute(ratio.expr, ".*", ".*"))
+        assert [float(r["value"][1]) for r in found] == [0.0], (ratio.expr, found)
         bad = httpx.post(
             f"{services.retrieval_url}/retrieve", json={"queries": ["x"], "topk": 0}, timeout=60
         )
