@@ -717,7 +717,11 @@ def plot_malformed(runs: Sequence[ActRun], path: Path, without: str = "archived"
         ax.legend(fontsize=7, loc="upper left")
     for j in range(len(cells), rows * cols):
         axes[j // cols][j % cols].set_visible(False)
-    fig.suptitle(f"solid: guard acting (x: an action); dashed: {without}", fontsize=10)
+    fig.suptitle(
+        f"training malformed share, 3-step mean; solid: guard acting (x: an action); "
+        f"dashed: {without}; dotted: the malformed-share act rule",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
