@@ -528,7 +528,8 @@ def compare(
 ) -> tuple[list[ActCell], list[ActRun], float]:
     """Every finished re-run under ``output_dir/<experiment>`` against the runs without the
     guard: ``archive_dir``'s, or ``control_dir``'s (:func:`read_control_runs`; the
-    ``archived_*`` fields then hold those). The ended-low threshold always comes from the
+    ``archived_*`` fields then hold those, and a re-run without a control run of its name
+    is left out). The ended-low threshold always comes from the
     archive's on-policy runs. Returns the cells, the runs (by staleness, method, seed) and
     that threshold.
 
@@ -541,6 +542,8 @@ def compare(
         archived = read_control_runs(control_dir, experiment)
     by_name = {a.name: a for a in archived}
     dirs = finished_runs(output_dir, experiment)
+    if control_dir is not None:  # only the re-runs that have their control run
+        dirs = [d for d in dirs if d.name in by_name]
     if not dirs:
         raise FileNotFoundError(f"{output_dir}/{experiment}: no finished re-run ({RUN_NOTE})")
     runs = [read_act_run(d, low, by_name.get(d.name)) for d in dirs]

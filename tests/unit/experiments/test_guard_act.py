@@ -128,8 +128,11 @@ def test_report_against_control_runs_instead_of_the_archive(tmp_path: Path):
            "rollback": {"from_step": 22, "signal_began": 20, "to_step": 20, "reason": ""}}  # fmt: skip
     _write_run(tmp_path / "act", archived, [act])
     _write_run(tmp_path / "warn", archived)
+    other = DEFAULT_ARCHIVE / "method-ppo_decoupled_max_staleness-16_seed-1.json.gz"
+    _write_run(tmp_path / "act", other)  # no control run: left out of the comparison
     assert [d.name for d in finished_runs(tmp_path / "act")] == [
-        "method-ppo_decoupled_max_staleness-16_seed-0"
+        "method-ppo_decoupled_max_staleness-16_seed-0",
+        "method-ppo_decoupled_max_staleness-16_seed-1",
     ]
     assert finished_runs(tmp_path / "none") == []
     with pytest.raises(FileNotFoundError, match="no finished run"):
@@ -149,6 +152,6 @@ def test_report_against_control_runs_instead_of_the_archive(tmp_path: Path):
     assert figure.stat().st_size > 10_000
     # against the archive: every archived run of the cell
     _, tables = write_report(tmp_path / "act", tmp_path / "cmp2.json")
-    assert "| ppo_decoupled | 16 | 1 | 1 | 1 | 5 | 5 | 5 |" in tables
+    assert "| ppo_decoupled | 16 | 2 | 2 | 2 | 5 | 5 | 5 |" in tables
     # beside the method's archived runs at each lower staleness (the arena ran it at 4 only)
-    assert "| ppo_decoupled | 16 | 1 of 1, 0.000 | 4: 2 of 10, 0.245, p = 0.273 |" in tables
+    assert "| ppo_decoupled | 16 | 2 of 2, 0.000 | 4: 2 of 10, 0.245, p = 0.091 |" in tables
