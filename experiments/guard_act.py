@@ -469,13 +469,14 @@ def summarize_cell(runs: Sequence[ActRun], archived: Sequence[ArchivedRun], low:
 
 
 def lower_staleness(
-    cell: ActCell, archived: Sequence[ArchivedRun], low: float
+    cell: ActCell, archived: Sequence[ArchivedRun], low: float, steps: int
 ) -> list[LowerStaleness]:
-    """:attr:`ActCell.lower` of ``cell`` from every archived run (``archived``)."""
+    """:attr:`ActCell.lower` of ``cell`` from the archived runs (``archived``) of ``steps``
+    learner steps, the re-runs' (none for longer runs than the archive's)."""
     out = []
-    levels = sorted({a.run.staleness for a in archived if a.run.method == cell.method})
-    for s in (s for s in levels if 0 < s < cell.staleness):
-        theirs = [a.run for a in archived if (a.run.method, a.run.staleness) == (cell.method, s)]
+    same = [a for a in archived if a.run.method == cell.method and len(a.steps) == steps]
+    for s in sorted({a.run.staleness for a in same if 0 < a.run.staleness < cell.staleness}):
+        theirs = [a.run for a in same if a.run.staleness == s]
         n_low = sum(r.val_success < low for r in theirs)
         out.append(LowerStaleness(
             staleness=s, runs=len(theirs), ended_low=n_low,
@@ -553,7 +554,7 @@ def compare(
         mine = [r for r in runs if (r.method, r.staleness) == key]
         theirs = [a for a in archived if (a.run.method, a.run.staleness) == key]
         cell = summarize_cell(mine, theirs, low)
-        cell.lower = lower_staleness(cell, archive, low)
+        cell.lower = lower_staleness(cell, archive, low, mine[0].planned_steps)
         cells.append(cell)
     return cells, runs, low
 

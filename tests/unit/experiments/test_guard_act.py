@@ -155,3 +155,8 @@ def test_report_against_control_runs_instead_of_the_archive(tmp_path: Path):
     assert "| ppo_decoupled | 16 | 2 | 2 | 2 | 5 | 5 | 5 |" in tables
     # beside the method's archived runs at each lower staleness (the arena ran it at 4 only)
     assert "| ppo_decoupled | 16 | 2 of 2, 0.000 | 4: 2 of 10, 0.245, p = 0.091 |" in tables
+    # runs longer than the archive's have no archived runs at a lower staleness to match
+    for config in (tmp_path / "act").rglob("config.json"):
+        config.write_text(config.read_text().replace('"num_steps": 40', '"num_steps": 80'))
+    _, tables = write_report(tmp_path / "act", tmp_path / "cmp3.json")
+    assert "| ppo_decoupled | 16 | 2 of 2, 0.000 | - |" in tables
