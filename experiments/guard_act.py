@@ -335,6 +335,7 @@ class ActRun:
     malformed_curve: list[float] = field(default_factory=list)
     """The kept lineage's training malformed share per step (the figure)."""
     archived_malformed_curve: list[float] = field(default_factory=list)
+    """The same of the archived (or control) run; empty without one."""
 
     @property
     def fell(self) -> bool:
@@ -530,9 +531,8 @@ def compare(
     """Every finished re-run under ``output_dir/<experiment>`` against the runs without the
     guard: ``archive_dir``'s, or ``control_dir``'s (:func:`read_control_runs`; the
     ``archived_*`` fields then hold those, and a re-run without a control run of its name
-    is left out). The ended-low threshold always comes from the
-    archive's on-policy runs. Returns the cells, the runs (by staleness, method, seed) and
-    that threshold.
+    is left out). The ended-low threshold always comes from the archive's on-policy runs.
+    Returns the cells, the runs (by staleness, method, seed) and that threshold.
 
     Raises:
         FileNotFoundError: no finished re-run, no archived run, or no control run.
