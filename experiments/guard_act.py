@@ -80,6 +80,7 @@ from experiments.guard_replay import (
     _run_config,
     fall_step,
     read_archive,
+    read_run_dir,
     replay_steps,
 )
 from services.run_records import SUPERSEDED_DIR, read_records
@@ -511,15 +512,7 @@ def read_control_runs(control_dir: Path, experiment: str = EXPERIMENT) -> list[A
     dirs = finished_runs(control_dir, experiment)
     if not dirs:
         raise FileNotFoundError(f"{control_dir}/{experiment}: no finished run ({RUN_NOTE})")
-    return [
-        ArchivedRun(
-            d.name,
-            arena.read_run(d, CollapseRule()),
-            read_records(d / "steps.jsonl", "step"),
-            json.loads((d / "config.json").read_text()),
-        )
-        for d in dirs
-    ]
+    return [read_run_dir(d) for d in dirs]
 
 
 def compare(
@@ -707,10 +700,9 @@ def plot_malformed(runs: Sequence[ActRun], path: Path, without: str = "archived"
                 ax.plot(np.arange(len(y)) + 3, y, color=color, ls="--", lw=1.0, alpha=0.7)
             y = smooth(r.malformed_curve)
             ax.plot(np.arange(len(y)) + 3, y, color=color, lw=1.6, label=f"seed {r.seed}")
-            for a in r.actions:
+            for a in r.actions if len(y) else []:  # y[j]: the mean over steps j+1 to j+3
                 k = min(max(int(a["step"]) - 3, 0), len(y) - 1)
-                if len(y):
-                    ax.plot(int(a["step"]), y[k], "x", color=color, ms=8, mew=2)
+                ax.plot(int(a["step"]), y[k], "x", color=color, ms=8, mew=2)
         ax.axhline(0.5, color="gray", lw=0.8, ls=":")
         ax.set_title(f"{method}, staleness {staleness}", fontsize=10)
         ax.set_ylim(-0.02, 1.02)

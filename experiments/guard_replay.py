@@ -44,6 +44,7 @@ from experiments.archive import read_archived_run
 from experiments.collapse import CollapseRule
 from services.config import RunConfig, apply_overrides, update_config
 from services.loop.guard import Guard
+from services.run_records import read_records
 
 DEFAULT_ARCHIVE = Path("experiments/runs/arena")
 """The off-policy arena's archive."""
@@ -160,6 +161,22 @@ class ArchivedRun:
     """Its ``config.json`` as archived."""
 
 
+def read_run_dir(run_dir: Path) -> ArchivedRun:
+    """A finished run directory read back as :class:`ArchivedRun` (named by the directory):
+    an archived run written out (:func:`read_archive`), or a run made here to compare with.
+
+    Raises:
+        ValueError: its ``steps.jsonl`` mixes runs or repeats a step
+            (:func:`services.run_records.read_records`).
+    """
+    return ArchivedRun(
+        run_dir.name,
+        arena.read_run(run_dir, CollapseRule()),
+        read_records(run_dir / "steps.jsonl", "step"),
+        json.loads((run_dir / "config.json").read_text()),
+    )
+
+
 def read_archive(archive_dir: Path = DEFAULT_ARCHIVE) -> list[ArchivedRun]:
     """Every archived run of ``archive_dir`` (``*.json.gz``), in file-name order, read back
     through a temporary run directory (:func:`experiments.archive.read_archived_run`).
@@ -181,15 +198,7 @@ def read_archive(archive_dir: Path = DEFAULT_ARCHIVE) -> list[ArchivedRun]:
                 (run_dir / name).write_text(text)
             for name, mtime in record.get("mtimes", {}).items():
                 os.utime(run_dir / name, (mtime, mtime))
-            steps = [
-                json.loads(line)
-                for line in record["files"]["steps.jsonl"].splitlines()
-                if line.strip()
-            ]
-            run = arena.read_run(run_dir, CollapseRule())
-            out.append(
-                ArchivedRun(record["run"], run, steps, json.loads(record["files"]["config.json"]))
-            )
+            out.append(read_run_dir(run_dir))
     return out
 
 

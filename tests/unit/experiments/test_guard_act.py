@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.archive import read_archived_run
+from experiments.archive import read_archived_run, restore_runs
 from experiments.guard_act import (
     ACT_OVERRIDES,
     RUN_NOTE,
@@ -108,12 +108,10 @@ def test_fisher_two_sided():
 
 
 def _write_run(root: Path, archived: Path, guard: list[dict] | None = None) -> Path:
-    """An archived run's files written back as a finished ``guard_act run`` directory."""
+    """An archived run restored as a finished ``guard_act run`` directory."""
     record = read_archived_run(archived)
     run_dir = root / "arena" / record["run"]
-    run_dir.mkdir(parents=True)
-    for name, text in record["files"].items():
-        (run_dir / name).write_text(text)
+    assert restore_runs(DEFAULT_ARCHIVE, [run_dir], record["warm_start_sha256"]) == [run_dir]
     (run_dir / "guard.jsonl").write_text("".join(json.dumps(g) + "\n" for g in guard or []))
     (run_dir / RUN_NOTE).write_text(json.dumps({"overrides": [], "guard_stopped_at": None}))
     return run_dir
