@@ -19,8 +19,9 @@ signal began), then sets each re-run beside the archived run of its seed:
 - whether the re-run repeated the archived run before its first rollback (the same
   sampled rollouts, :data:`COMPARED_KEYS`), i.e. whether the guard is the only difference;
 
-and per cell the ended-low and fell counts with the guard and without it (every archived
-run of the cell), with Fisher's exact test (two-sided).
+and per cell the ended-low and fell counts with the guard and without it (the archived
+runs of the seeds re-run; the whole cell's count beside them), with Fisher's exact test
+(two-sided).
 
 The runs use the grid's own planning (:func:`experiments.grid.plan_runs`: base config,
 the grid's overrides, the method, the seed, the archived shared warm start restored into
@@ -350,7 +351,8 @@ class ActRun:
 
 @dataclass
 class ActCell:
-    """One cell: its re-runs with the guard, and every archived run of the cell."""
+    """One cell: its re-runs with the guard against the archived (or control) runs of the
+    same seeds, and the count over every archived run of the cell."""
 
     method: str
     staleness: int
@@ -367,7 +369,8 @@ class ActCell:
     stopped: int
     wall_s_mean: float
     archived_wall_s_mean: float
-    """Every archived run of the cell (other machines and loads: not a paired control)."""
+    """The archived runs of the same seeds (other machines and loads: not a paired
+    control)."""
     extra_s_mean: float
     """Mean over the re-runs of ``redone_s + rollback_s + refill_s``: what the rollbacks
     cost."""
@@ -377,6 +380,10 @@ class ActCell:
     lower: list[LowerStaleness] = field(default_factory=list)
     """The archive's runs of the same method at each lower staleness (above 0): what
     running there from the start gave, to set beside the guard's tightening."""
+    cell_runs: int = 0
+    """Every run of the cell without the guard (archived or control), re-run or not."""
+    cell_ended_low: int = 0
+    """How many of them ended low."""
 
 
 @dataclass
@@ -448,7 +455,8 @@ def read_act_run(run_dir: Path, low: float, archived: ArchivedRun | None) -> Act
 
 
 def summarize_cell(runs: Sequence[ActRun], archived: Sequence[ArchivedRun], low: float) -> ActCell:
-    """:class:`ActCell` of one cell's re-runs against every archived run of the cell."""
+    """:class:`ActCell` of one cell's re-runs against ``archived``: the runs without the
+    guard of the same seeds (:func:`compare` chooses them)."""
     a_low = sum(a.run.val_success < low for a in archived)
     a_fell = sum(
         a.run.val_success < low or a.run.malformed_end > arena.DEGRADING_MALFORMED for a in archived
@@ -524,7 +532,10 @@ def compare(
     """Every finished re-run under ``output_dir/<experiment>`` against the runs without the
     guard: ``archive_dir``'s, or ``control_dir``'s (:func:`read_control_runs`; the
     ``archived_*`` fields then hold those, and a re-run without a control run of its name
-    is left out). The ended-low threshold always comes from the archive's on-policy runs.
+    is left out). A cell is compared with the runs of the seeds it re-ran (the re-runs
+    are chosen, e.g. the seeds the replay acted on or that fell: the cell's other runs
+    would not be a like comparison); ``cell_runs`` counts them all. The ended-low
+    threshold always comes from the archive's on-policy runs.
     Returns the cells, the runs (by staleness, method, seed) and that threshold.
 
     Raises:
@@ -545,8 +556,13 @@ def compare(
     cells = []
     for key in dict.fromkeys((r.method, r.staleness) for r in runs):
         mine = [r for r in runs if (r.method, r.staleness) == key]
-        theirs = [a for a in archived if (a.run.method, a.run.staleness) == key]
-        cell = summarize_cell(mine, theirs, low)
+        whole = [a for a in archived if (a.run.method, a.run.staleness) == key]
+        seeds = {r.seed for r in mine}
+        cell = summarize_cell(mine, [a for a in whole if a.run.seed in seeds], low)
+        cell.cell_runs, cell.cell_ended_low = (
+            len(whole),
+            sum(a.run.val_success < low for a in whole),
+        )
         cell.lower = lower_staleness(cell, archive, low, mine[0].planned_steps)
         cells.append(cell)
     return cells, runs, low
@@ -600,16 +616,19 @@ def markdown(
         )
     lines += [
         "",
-        f"| method | staleness | runs with the guard | ended low | fell | {w} runs | "
-        "ended low | fell | Fisher p, ended low | Fisher p, fell | acted on | rollbacks | "
+        f"| method | staleness | seeds | runs with the guard | ended low | fell | {w} runs, "
+        "same seeds | ended low | fell | Fisher p, ended low | Fisher p, fell | "
+        f"{w}, whole cell: ended low of runs | acted on | rollbacks | "
         f"stopped | mean wall (s) | {w} mean wall (s) | mean rollback cost (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
         lines.append(
-            f"| {c.method} | {c.staleness} | {c.runs} | {c.ended_low} | {c.fell} | "
+            f"| {c.method} | {c.staleness} | {' '.join(map(str, c.seeds))} | {c.runs} | "
+            f"{c.ended_low} | {c.fell} | "
             f"{c.archived_runs} | {c.archived_ended_low} | {c.archived_fell} | "
-            f"{_f(c.fisher_p_ended_low, 3)} | {_f(c.fisher_p_fell, 3)} | {c.acted_on} | "
+            f"{_f(c.fisher_p_ended_low, 3)} | {_f(c.fisher_p_fell, 3)} | "
+            f"{c.cell_ended_low} of {c.cell_runs} | {c.acted_on} | "
             f"{c.rollbacks} | {c.stopped} | {_f(c.wall_s_mean, 0)} | "
             f"{_f(c.archived_wall_s_mean, 0)} | {_f(c.extra_s_mean, 0)} |"
         )

@@ -148,9 +148,12 @@ def test_report_against_control_runs_instead_of_the_archive(tmp_path: Path):
     assert report["compared_with"] == str(tmp_path / "warn")
     assert "final success (without)" in tables and "22 lower_staleness (16->4)" in tables
     assert figure.stat().st_size > 10_000
-    # against the archive: every archived run of the cell
-    _, tables = write_report(tmp_path / "act", tmp_path / "cmp2.json")
-    assert "| ppo_decoupled | 16 | 2 | 2 | 2 | 5 | 5 | 5 |" in tables
+    # against the archive: the archived runs of the seeds re-run (two of the cell's five),
+    # the whole cell's count beside them
+    js, tables = write_report(tmp_path / "act", tmp_path / "cmp2.json")
+    assert "| ppo_decoupled | 16 | 0 1 | 2 | 2 | 2 | 2 | 2 | 2 | 1.000 | 1.000 | 5 of 5 |" in tables
+    (cell,) = json.loads(js.read_text())["cells"]
+    assert (cell["archived_runs"], cell["cell_runs"], cell["cell_ended_low"]) == (2, 5, 5)
     # beside the method's archived runs at each lower staleness (the arena ran it at 4 only)
     assert "| ppo_decoupled | 16 | 2 of 2, 0.000 | 4: 2 of 10, 0.245, p = 0.091 |" in tables
     # runs longer than the archive's have no archived runs at a lower staleness to match
