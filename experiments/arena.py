@@ -766,6 +766,16 @@ def seed_band(curves: Any) -> tuple[Any, Any, Any]:
     return mean, np.maximum(mean - sd, curves.min(0)), np.minimum(mean + sd, curves.max(0))
 
 
+def moving_average(curve: Sequence[float], window: int) -> Any:
+    """The mean of each ``window`` consecutive values of ``curve`` (NaN read as 0), as a
+    numpy array of ``len(curve) - window + 1`` values; ``curve`` itself (NaN as 0) when it
+    is shorter than ``window``."""
+    import numpy as np
+
+    c = np.nan_to_num(np.asarray(curve, dtype=float))
+    return np.convolve(c, np.ones(window) / window, "valid") if len(c) >= window else c
+
+
 def plot_curves(
     runs: Sequence[ArenaRun],
     path: Path,
@@ -794,8 +804,7 @@ def plot_curves(
         n = min((len(c) for c in curves), default=0)
         if n < window:
             return
-        kernel = np.ones(window) / window
-        smooth = np.array([np.convolve(np.nan_to_num(c[:n]), kernel, "valid") for c in curves])
+        smooth = np.array([moving_average(c[:n], window) for c in curves])
         x = np.arange(window, n + 1)
         mean, low, high = seed_band(smooth)
         ax.plot(x, mean, **style)

@@ -706,18 +706,14 @@ def plot_malformed(runs: Sequence[ActRun], path: Path, without: str = "archived"
     rows = -(-len(cells) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.1 * rows), squeeze=False)
 
-    def smooth(curve: Sequence[float]) -> Any:
-        c = np.nan_to_num(np.asarray(curve, dtype=float))
-        return np.convolve(c, np.ones(3) / 3, "valid") if len(c) >= 3 else c
-
     for i, (method, staleness) in enumerate(cells):
         ax = axes[i // cols][i % cols]
         for r in (r for r in runs if (r.method, r.staleness) == (method, staleness)):
             color = plt.get_cmap("tab10")(r.seed % 10)
             if r.archived_malformed_curve:
-                y = smooth(r.archived_malformed_curve)
+                y = arena.moving_average(r.archived_malformed_curve, 3)
                 ax.plot(np.arange(len(y)) + 3, y, color=color, ls="--", lw=1.0, alpha=0.7)
-            y = smooth(r.malformed_curve)
+            y = arena.moving_average(r.malformed_curve, 3)
             ax.plot(np.arange(len(y)) + 3, y, color=color, lw=1.6, label=f"seed {r.seed}")
             for a in r.actions if len(y) else []:  # y[j]: the mean over steps j+1 to j+3
                 k = min(max(int(a["step"]) - 3, 0), len(y) - 1)
