@@ -454,9 +454,12 @@ def read_act_run(run_dir: Path, low: float, archived: ArchivedRun | None) -> Act
     )  # fmt: skip
 
 
-def summarize_cell(runs: Sequence[ActRun], archived: Sequence[ArchivedRun], low: float) -> ActCell:
-    """:class:`ActCell` of one cell's re-runs against ``archived``: the runs without the
-    guard of the same seeds (:func:`compare` chooses them)."""
+def summarize_cell(runs: Sequence[ActRun], whole: Sequence[ArchivedRun], low: float) -> ActCell:
+    """:class:`ActCell` of one cell's re-runs against those of ``whole`` (every run of the
+    cell without the guard) with the same seeds; ``whole`` also gives ``cell_runs`` and
+    ``cell_ended_low``."""
+    seeds = {r.seed for r in runs}
+    archived = [a for a in whole if a.run.seed in seeds]
     a_low = sum(a.run.val_success < low for a in archived)
     a_fell = sum(
         a.run.val_success < low or a.run.malformed_end > arena.DEGRADING_MALFORMED for a in archived
@@ -475,6 +478,7 @@ def summarize_cell(runs: Sequence[ActRun], archived: Sequence[ArchivedRun], low:
         extra_s_mean=_mean([r.redone_s + r.rollback_s + r.refill_s for r in runs]),
         seeds=[r.seed for r in runs], val_success_mean=_mean([r.val_success for r in runs]),
         archived_val_success_mean=_mean([a.run.val_success for a in archived]),
+        cell_runs=len(whole), cell_ended_low=sum(a.run.val_success < low for a in whole),
     )  # fmt: skip
 
 
@@ -557,12 +561,7 @@ def compare(
     for key in dict.fromkeys((r.method, r.staleness) for r in runs):
         mine = [r for r in runs if (r.method, r.staleness) == key]
         whole = [a for a in archived if (a.run.method, a.run.staleness) == key]
-        seeds = {r.seed for r in mine}
-        cell = summarize_cell(mine, [a for a in whole if a.run.seed in seeds], low)
-        cell.cell_runs, cell.cell_ended_low = (
-            len(whole),
-            sum(a.run.val_success < low for a in whole),
-        )
+        cell = summarize_cell(mine, whole, low)
         cell.lower = lower_staleness(cell, archive, low, mine[0].planned_steps)
         cells.append(cell)
     return cells, runs, low
